@@ -1,0 +1,13 @@
+// cudamem/cudamem.hpp — everything in one include. Prefer the topic headers in libraries
+// (they compile faster); this is for applications and examples.
+#pragma once
+
+#include <cudamem/device.hpp>
+#include <cudamem/error.hpp>
+#include <cudamem/event.hpp>
+#include <cudamem/host_resource.hpp>
+#include <cudamem/memory_report.hpp>
+#include <cudamem/memory_resource.hpp>
+#include <cudamem/out_of_memory.hpp>
+#include <cudamem/stream.hpp>
+#include <cudamem/version.hpp>

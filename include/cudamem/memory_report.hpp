@@ -1,0 +1,285 @@
+// cudamem/memory_report.hpp — a snapshot of what a chain of resources and the device hold,
+// with a verdict on why a request failed. `out_of_memory` carries one; you can also ask for
+// one at any time.
+//
+//   cudamem::memory_report r = cudamem::make_memory_report(pool, 2ull << 30);
+//   std::puts(r.to_text().c_str());   // human-readable paragraph
+//   write_file("mem.json", r.to_json());
+//
+// Contract
+// - `make_memory_report(resource, bytes, alignment)` walks `resource` and its upstreams
+//   (`memory_resource::upstream()`), records each one's `resource_stats`, reads the device's
+//   free/total memory (the simulated device's capacity when the leaf has one; the real device
+//   via cudaMemGetInfo otherwise; nothing for host memory), and decides a verdict:
+//     budget              a limiting resource's budget would be exceeded;
+//     larger_than_device  the request is larger than the device's total memory;
+//     fragmentation       a pool holds enough free bytes in total but no block large enough,
+//                         and the device cannot supply the difference;
+//     held_by_others      memory this chain does not hold (other processes, contexts or
+//                         resources) is what stands in the way;
+//     exhausted           this chain itself holds the memory;
+//     unknown             not enough information (e.g. no device to ask).
+// - `to_text()` is a short paragraph in human units with one hint for the verdict;
+//   `to_json()` is the same as a JSON object.
+// - Making a report never throws for lack of a device: figures it cannot get are left empty.
+#pragma once
+
+#include <cudamem/memory_resource.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace cudamem {
+
+/// Why a request failed; see the contract above.
+enum class oom_verdict { unknown, budget, larger_than_device, fragmentation, held_by_others, exhausted };
+
+[[nodiscard]] constexpr std::string_view to_string(oom_verdict verdict) noexcept {
+  switch (verdict) {
+    case oom_verdict::budget: return "budget";
+    case oom_verdict::larger_than_device: return "larger_than_device";
+    case oom_verdict::fragmentation: return "fragmentation";
+    case oom_verdict::held_by_others: return "held_by_others";
+    case oom_verdict::exhausted: return "exhausted";
+    case oom_verdict::unknown: return "unknown";
+  }
+  return "unknown";
+}
+
+/// "1.50 GiB", "512 B": bytes in the largest binary unit that keeps the number >= 1.
+[[nodiscard]] inline std::string format_bytes(std::size_t bytes) {
+  static constexpr const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double value = static_cast<double>(bytes);
+  std::size_t unit = 0;
+  while (value >= 1024.0 && unit + 1 < std::size(units)) {
+    value /= 1024.0;
+    ++unit;
+  }
+  char text[48];
+  if (unit == 0) {
+    std::snprintf(text, sizeof text, "%zu B", bytes);
+  } else {
+    std::snprintf(text, sizeof text, "%.2f %s", value, units[unit]);
+  }
+  return text;
+}
+
+/// One resource of the chain, as it was when the report was made.
+struct resource_snapshot {
+  std::string name;
+  memory_kind kind = memory_kind::device;
+  int device = -1;
+  resource_stats stats;
+};
+
+/// A diagnosis of a (failed) request; see the contract above.
+struct memory_report {
+  std::size_t requested_bytes = 0;
+  std::size_t alignment = 0;
+  int device = -1;                            ///< -1: host memory, or a simulated device
+  std::optional<std::size_t> device_free;     ///< bytes free on the device now
+  std::optional<std::size_t> device_total;    ///< the device's total memory
+  std::vector<resource_snapshot> chain;       ///< the resource asked first, then its upstreams
+  oom_verdict verdict = oom_verdict::unknown;
+  std::string cause;                          ///< what the failing resource said
+
+  /// Bytes the chain's leaf holds from the device (what "this process" holds through it).
+  [[nodiscard]] std::size_t held_by_chain() const noexcept {
+    return chain.empty() ? 0 : chain.back().stats.reserved_bytes;
+  }
+
+  /// The hint that fits the verdict.
+  [[nodiscard]] std::string hint() const {
+    switch (verdict) {
+      case oom_verdict::budget:
+        return "The budget set on this resource would be exceeded: raise the budget, or free "
+               "buffers before this request.";
+      case oom_verdict::larger_than_device:
+        return "No allocator can satisfy this on this device: split the work into smaller "
+               "pieces, or use managed memory to oversubscribe.";
+      case oom_verdict::fragmentation:
+        return "Enough memory is free in total but no single free block is large enough: call "
+               "release() on the pool to return wholly free blocks, or use a virtual-memory "
+               "pool (vm_resource), whose free memory is always usable.";
+      case oom_verdict::held_by_others:
+        return "Memory outside this resource chain stands in the way: check nvidia-smi for other "
+               "processes, destroy contexts you no longer need, and release other pools.";
+      case oom_verdict::exhausted:
+        return "This process holds the memory through this resource chain: free buffers you no "
+               "longer need, or lower the working set.";
+      case oom_verdict::unknown:
+        break;
+    }
+    return "Not enough information to say more (no device to ask).";
+  }
+
+  /// A short paragraph: the request, the device, the chain, the verdict and its hint.
+  [[nodiscard]] std::string to_text() const {
+    std::string text = "cudamem: out of memory: could not allocate " + format_bytes(requested_bytes);
+    if (alignment != 0) {
+      text += " (alignment " + std::to_string(alignment) + ")";
+    }
+    if (device >= 0) {
+      text += " on device " + std::to_string(device);
+    }
+    text += ".";
+    if (!cause.empty()) {
+      text += " " + cause + ".";
+    }
+    if (device_free && device_total) {
+      text += " Device: " + format_bytes(*device_free) + " free of " + format_bytes(*device_total) +
+              ".";
+    }
+    for (const resource_snapshot& r : chain) {
+      text += " " + r.name + ": " + format_bytes(r.stats.reserved_bytes) + " reserved, " +
+              format_bytes(r.stats.used_bytes) + " in use";
+      if (r.stats.largest_free_block) {
+        char frag[32];
+        std::snprintf(frag, sizeof frag, "%.0f%%", 100.0 * r.stats.fragmentation());
+        text += ", largest free block " + format_bytes(*r.stats.largest_free_block) +
+                ", fragmentation " + frag;
+      }
+      if (r.stats.budget) {
+        text += ", budget " + format_bytes(*r.stats.budget);
+      }
+      text += ".";
+    }
+    text += " Verdict: " + std::string(to_string(verdict)) + ". " + hint();
+    return text;
+  }
+
+  /// The report as a JSON object.
+  [[nodiscard]] std::string to_json() const {
+    auto number = [](std::optional<std::size_t> v) {
+      return v ? std::to_string(*v) : std::string("null");
+    };
+    std::string json = "{\"requested_bytes\":" + std::to_string(requested_bytes) +
+                       ",\"alignment\":" + std::to_string(alignment) +
+                       ",\"device\":" + std::to_string(device) +
+                       ",\"device_free\":" + number(device_free) +
+                       ",\"device_total\":" + number(device_total) + ",\"verdict\":\"" +
+                       std::string(to_string(verdict)) + "\",\"cause\":" + quote(cause) +
+                       ",\"hint\":" + quote(hint()) + ",\"chain\":[";
+    for (std::size_t i = 0; i < chain.size(); ++i) {
+      const resource_snapshot& r = chain[i];
+      char frag[32];
+      std::snprintf(frag, sizeof frag, "%.6f", r.stats.fragmentation());
+      json += (i == 0 ? "" : ",");
+      json += "{\"name\":" + quote(r.name) + ",\"kind\":" + quote(std::string(to_string(r.kind))) +
+              ",\"device\":" + std::to_string(r.device) +
+              ",\"reserved_bytes\":" + std::to_string(r.stats.reserved_bytes) +
+              ",\"used_bytes\":" + std::to_string(r.stats.used_bytes) +
+              ",\"peak_used_bytes\":" + std::to_string(r.stats.peak_used_bytes) +
+              ",\"free_blocks\":" + number(r.stats.free_blocks) +
+              ",\"largest_free_block\":" + number(r.stats.largest_free_block) +
+              ",\"fragmentation\":" + frag + ",\"budget\":" + number(r.stats.budget) +
+              ",\"capacity\":" + number(r.stats.capacity) + "}";
+    }
+    json += "]}";
+    return json;
+  }
+
+ private:
+  static std::string quote(std::string_view s) {
+    std::string out = "\"";
+    for (const char c : s) {
+      if (c == '"' || c == '\\') {
+        out += '\\';
+        out += c;
+      } else if (static_cast<unsigned char>(c) < 0x20) {
+        char esc[8];
+        std::snprintf(esc, sizeof esc, "\\u%04x", static_cast<unsigned>(c));
+        out += esc;
+      } else {
+        out += c;
+      }
+    }
+    return out + "\"";
+  }
+};
+
+namespace detail {
+
+/// Decides the verdict from the figures already in `r`.
+inline oom_verdict diagnose(const memory_report& r) {
+  const std::size_t bytes = r.requested_bytes;
+  for (const resource_snapshot& s : r.chain) {
+    if (s.stats.budget && s.stats.used_bytes + bytes > *s.stats.budget) {
+      return oom_verdict::budget;
+    }
+  }
+  if (!r.device_total || !r.device_free) {
+    return oom_verdict::unknown;
+  }
+  if (bytes > *r.device_total) {
+    return oom_verdict::larger_than_device;
+  }
+  // A pool with enough free bytes in total but no block large enough, on a device that could
+  // not make up the difference: the memory exists, in the wrong shape.
+  for (const resource_snapshot& s : r.chain) {
+    if (s.stats.largest_free_block && s.stats.free_bytes() >= bytes &&
+        *s.stats.largest_free_block < bytes && *r.device_free < bytes) {
+      return oom_verdict::fragmentation;
+    }
+  }
+  const std::size_t used_on_device = *r.device_total - *r.device_free;
+  const std::size_t ours = r.held_by_chain();
+  const std::size_t others = used_on_device > ours ? used_on_device - ours : 0;
+  // Whoever holds more of the used memory is what stands in the way.
+  return others > ours ? oom_verdict::held_by_others : oom_verdict::exhausted;
+}
+
+}  // namespace detail
+
+/// A report on `resource` and its upstreams for a request of `bytes` (see the contract).
+[[nodiscard]] inline memory_report make_memory_report(const memory_resource& resource,
+                                                      std::size_t bytes,
+                                                      std::size_t alignment = default_alignment,
+                                                      std::string cause = {}) {
+  memory_report report;
+  report.requested_bytes = bytes;
+  report.alignment = alignment;
+  report.device = resource.device();
+  report.cause = std::move(cause);
+  const memory_resource* leaf = &resource;
+  for (const memory_resource* r = &resource; r != nullptr; r = r->upstream()) {
+    resource_snapshot snap{std::string(r->name()), r->kind(), r->device(), {}};
+    try {
+      snap.stats = r->stats();
+    } catch (...) {  // a resource that cannot report still leaves the rest of the report useful
+    }
+    report.chain.push_back(std::move(snap));
+    leaf = r;
+  }
+  const resource_stats& leaf_stats = report.chain.back().stats;
+  if (leaf_stats.capacity) {  // a simulated device: its capacity is the whole device
+    report.device_total = *leaf_stats.capacity;
+    report.device_free = *leaf_stats.capacity > leaf_stats.reserved_bytes
+                             ? *leaf_stats.capacity - leaf_stats.reserved_bytes
+                             : 0;
+  } else if (leaf->device() >= 0 && leaf->kind() != memory_kind::host &&
+             leaf->kind() != memory_kind::pinned) {
+    int previous = -1;
+    std::size_t free = 0;
+    std::size_t total = 0;
+    if (cudaGetDevice(&previous) == cudaSuccess && cudaSetDevice(leaf->device()) == cudaSuccess &&
+        cudaMemGetInfo(&free, &total) == cudaSuccess) {
+      report.device_free = free;
+      report.device_total = total;
+    }
+    if (previous >= 0) {
+      static_cast<void>(cudaSetDevice(previous));
+    }
+    static_cast<void>(cudaGetLastError());
+  }
+  report.verdict = detail::diagnose(report);
+  return report;
+}
+
+}  // namespace cudamem

@@ -1,0 +1,54 @@
+// cudamem/out_of_memory.hpp — the exception every cudamem resource throws when a request
+// cannot be met, carrying a `memory_report` that explains why.
+//
+//   try {
+//     cudamem::device_buffer<float> big(n);
+//   } catch (const cudamem::out_of_memory& e) {
+//     std::puts(e.what());                       // a short paragraph: numbers, verdict, hint
+//     if (e.report().verdict == cudamem::oom_verdict::fragmentation) mr.release();
+//   }
+//
+// Contract
+// - `out_of_memory` is a `std::bad_alloc`, so code that already catches bad_alloc keeps working.
+// - `report()` is the structured diagnosis (see memory_report.hpp); `what()` is its short text.
+// - Throwing one never allocates device memory; building the report queries the device's
+//   free/total memory (cudaMemGetInfo) when the memory is device-side.
+#pragma once
+
+#include <cudamem/memory_report.hpp>
+
+#include <new>
+#include <string>
+#include <utility>
+
+namespace cudamem {
+
+/// A request a resource could not meet; see the contract above.
+class out_of_memory : public std::bad_alloc {
+ public:
+  explicit out_of_memory(memory_report report)
+      : report_(std::move(report)), what_(report_.to_text()) {}
+
+  [[nodiscard]] const char* what() const noexcept override { return what_.c_str(); }
+  [[nodiscard]] const memory_report& report() const noexcept { return report_; }
+  [[nodiscard]] std::size_t requested_bytes() const noexcept { return report_.requested_bytes; }
+  [[nodiscard]] oom_verdict verdict() const noexcept { return report_.verdict; }
+
+ private:
+  memory_report report_;
+  std::string what_;
+};
+
+/// Builds the report for a failed request to `resource` and throws it. `cause` is a short
+/// line from the resource that failed ("cudaMalloc returned cudaErrorMemoryAllocation").
+[[noreturn]] inline void throw_out_of_memory(const memory_resource& resource, std::size_t bytes,
+                                             std::size_t alignment, std::string cause = {},
+                                             std::optional<oom_verdict> verdict = std::nullopt) {
+  memory_report report = make_memory_report(resource, bytes, alignment, std::move(cause));
+  if (verdict) {
+    report.verdict = *verdict;
+  }
+  throw out_of_memory(std::move(report));
+}
+
+}  // namespace cudamem
