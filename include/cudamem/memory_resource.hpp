@@ -44,6 +44,9 @@
 //   the wrong kind with a clear error. The resource allocates on its own device whatever
 //   device is current.
 // - A resource must outlive every allocation it made and every owner that refers to it.
+// - Every allocate takes the caller's `std::source_location` as a defaulted last argument, so
+//   a tracking adaptor anywhere down the chain can name the user's line
+//   (`current_allocation_site()`); owners pass their own caller's location through.
 // - The CCCL names are here too (`allocate_async`/`deallocate_async`, `allocate_sync`/
 //   `deallocate_sync`), so cudamem resources satisfy `cuda::mr::async_resource`.
 #pragma once
@@ -53,6 +56,7 @@
 #include <bit>
 #include <cstddef>
 #include <optional>
+#include <source_location>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -112,6 +116,43 @@ struct resource_stats {
   }
 };
 
+namespace detail {
+
+/// The call site of the outermost `allocate` running on this thread (nullptr when none).
+inline thread_local const std::source_location* outermost_allocation_site = nullptr;
+
+/// Records `where` as the allocation site for the duration of one outermost allocate call.
+/// Nested calls (a pool asking its upstream) leave the user's site in place.
+class allocation_site_scope {
+ public:
+  explicit allocation_site_scope(const std::source_location& where) noexcept
+      : owner_(outermost_allocation_site == nullptr) {
+    if (owner_) {
+      outermost_allocation_site = &where;
+    }
+  }
+  ~allocation_site_scope() {
+    if (owner_) {
+      outermost_allocation_site = nullptr;
+    }
+  }
+  allocation_site_scope(const allocation_site_scope&) = delete;
+  allocation_site_scope& operator=(const allocation_site_scope&) = delete;
+
+ private:
+  bool owner_;
+};
+
+}  // namespace detail
+
+/// Where the allocation being served on this thread was requested: the user's line, passed in
+/// through `allocate(..., where)` (owners such as device_buffer forward their own caller's).
+/// Tracking adaptors call this from their do_allocate. Empty location outside an allocate.
+[[nodiscard]] inline std::source_location current_allocation_site() noexcept {
+  const std::source_location* site = detail::outermost_allocation_site;
+  return site != nullptr ? *site : std::source_location{};
+}
+
 /// The base of every cudamem memory resource; see the contract above.
 class memory_resource {
  public:
@@ -123,11 +164,14 @@ class memory_resource {
   // --- stream-ordered -----------------------------------------------------------------------
 
   /// `bytes` of memory aligned to `alignment`, usable in stream order on `stream`.
-  [[nodiscard]] void* allocate(std::size_t bytes, std::size_t alignment, stream_view stream) {
+  /// `where` is the caller's line, kept for tracking adaptors (see current_allocation_site).
+  [[nodiscard]] void* allocate(std::size_t bytes, std::size_t alignment, stream_view stream,
+                               std::source_location where = std::source_location::current()) {
     if (bytes == 0) {
       return nullptr;
     }
     validate_alignment(alignment);
+    const detail::allocation_site_scope site{where};
     return do_allocate(bytes, alignment, stream);
   }
 
@@ -141,11 +185,13 @@ class memory_resource {
   // --- synchronous ----------------------------------------------------------------------------
 
   /// `bytes` of memory usable by any stream and the host on return.
-  [[nodiscard]] void* allocate(std::size_t bytes, std::size_t alignment = default_alignment) {
+  [[nodiscard]] void* allocate(std::size_t bytes, std::size_t alignment = default_alignment,
+                               std::source_location where = std::source_location::current()) {
     if (bytes == 0) {
       return nullptr;
     }
     validate_alignment(alignment);
+    const detail::allocation_site_scope site{where};
     return do_allocate_sync(bytes, alignment);
   }
 
@@ -158,14 +204,16 @@ class memory_resource {
 
   // --- the names CCCL's cuda::mr concepts look for ----------------------------------------------
 
-  [[nodiscard]] void* allocate_async(std::size_t bytes, std::size_t alignment, stream_view s) {
-    return allocate(bytes, alignment, s);
+  [[nodiscard]] void* allocate_async(std::size_t bytes, std::size_t alignment, stream_view s,
+                                     std::source_location where = std::source_location::current()) {
+    return allocate(bytes, alignment, s, where);
   }
   void deallocate_async(void* p, std::size_t bytes, std::size_t alignment, stream_view s) noexcept {
     deallocate(p, bytes, alignment, s);
   }
-  [[nodiscard]] void* allocate_sync(std::size_t bytes, std::size_t alignment = default_alignment) {
-    return allocate(bytes, alignment);
+  [[nodiscard]] void* allocate_sync(std::size_t bytes, std::size_t alignment = default_alignment,
+                                    std::source_location where = std::source_location::current()) {
+    return allocate(bytes, alignment, where);
   }
   void deallocate_sync(void* p, std::size_t bytes,
                        std::size_t alignment = default_alignment) noexcept {

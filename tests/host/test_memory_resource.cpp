@@ -148,3 +148,43 @@ TEST_CASE("resource_stats: free bytes and fragmentation") {
   s.largest_free_block = 400;
   CHECK(s.fragmentation() == Approx(0.0));
 }
+
+namespace {
+/// Remembers the allocation site it saw in do_allocate.
+class site_recording_resource final : public memory_resource {
+ public:
+  site_recording_resource() : memory_resource(memory_kind::host, -1) {}
+  std::source_location seen;
+
+ private:
+  void* do_allocate(std::size_t bytes, std::size_t alignment, stream_view) override {
+    seen = current_allocation_site();
+    return host_.allocate(bytes, alignment);  // nested: must not replace the user's site
+  }
+  void do_deallocate(void* p, std::size_t bytes, std::size_t alignment,
+                     stream_view) noexcept override {
+    host_.deallocate(p, bytes, alignment);
+  }
+  void* do_allocate_sync(std::size_t bytes, std::size_t alignment) override {
+    return do_allocate(bytes, alignment, stream_view{});
+  }
+  void do_deallocate_sync(void* p, std::size_t bytes, std::size_t alignment) noexcept override {
+    do_deallocate(p, bytes, alignment, stream_view{});
+  }
+  host_resource host_;
+};
+}  // namespace
+
+TEST_CASE("the caller's line reaches the resource, through nested calls, and is cleared after") {
+  site_recording_resource mr;
+  const unsigned line = __LINE__ + 1;
+  void* p = mr.allocate(64, 8, stream_view{});
+  CHECK(mr.seen.line() == line);
+  CHECK(std::string(mr.seen.file_name()).find("test_memory_resource.cpp") != std::string::npos);
+  mr.deallocate(p, 64, 8, stream_view{});
+  const unsigned line2 = __LINE__ + 1;
+  void* q = mr.allocate_sync(64, 8);
+  CHECK(mr.seen.line() == line2);
+  mr.deallocate_sync(q, 64, 8);
+  CHECK(current_allocation_site().line() == 0);
+}
