@@ -6,8 +6,11 @@
 #include <cudamem/error.hpp>
 #include <cudamem/event.hpp>
 #include <cudamem/host_resource.hpp>
+#include <cudamem/limiting_adaptor.hpp>
 #include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
+#include <cudamem/statistics_adaptor.hpp>
 #include <cudamem/stream.hpp>
+#include <cudamem/tracking_adaptor.hpp>
 #include <cudamem/version.hpp>

@@ -1,0 +1,101 @@
+// cudamem/limiting_adaptor.hpp — a byte budget over any resource: a request that would take
+// the bytes in use past the budget fails with `out_of_memory` (verdict `budget`) before the
+// upstream is asked.
+//
+//   cudamem::limiting_adaptor capped{pool, 4ull << 30};      // this component: 4 GiB at most
+//   try {
+//     void* p = capped.allocate(6ull << 30, 256, stream);
+//   } catch (const cudamem::out_of_memory& e) {
+//     // e.verdict() == oom_verdict::budget; e.report() shows the budget and the bytes in use
+//   }
+//
+// Contract
+// - Counts requested bytes (not what the upstream rounds them to). An allocation succeeds
+//   only if bytes in use + bytes <= budget, and the upstream gives the memory; either failure
+//   leaves the count unchanged. Frees return their bytes to the budget.
+// - Over the budget: `out_of_memory` whose report starts at this adaptor, with
+//   `stats().budget` set and the verdict `budget`. A failure of the upstream passes through
+//   with the upstream's verdict (the report starts here, so it shows the budget too).
+// - Thread-safe and exact under concurrency: the budget is reserved with one atomic
+//   compare-and-swap before the upstream is asked, so two threads can never both pass it.
+// - `set_budget` may lower the budget below what is in use: nothing is taken back, later
+//   requests fail until enough is freed.
+#pragma once
+
+#include <cudamem/detail/adaptor_base.hpp>
+#include <cudamem/memory_report.hpp>
+#include <cudamem/memory_resource.hpp>
+#include <cudamem/out_of_memory.hpp>
+
+#include <atomic>
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+namespace cudamem {
+
+class limiting_adaptor final : public detail::adaptor_base<limiting_adaptor> {
+ public:
+  limiting_adaptor(memory_resource& upstream, std::size_t budget_bytes) noexcept
+      : adaptor_base(upstream), budget_(budget_bytes) {}
+
+  [[nodiscard]] std::size_t budget() const noexcept {
+    return budget_.load(std::memory_order_relaxed);
+  }
+  void set_budget(std::size_t budget_bytes) noexcept {
+    budget_.store(budget_bytes, std::memory_order_relaxed);
+  }
+  /// Bytes handed out through this adaptor and not yet freed.
+  [[nodiscard]] std::size_t used_bytes() const noexcept {
+    return used_.load(std::memory_order_relaxed);
+  }
+
+ private:
+  friend class detail::adaptor_base<limiting_adaptor>;
+
+  void* adapt_allocate(std::size_t bytes, std::size_t alignment, detail::request_stream stream) {
+    std::size_t used = used_.load(std::memory_order_relaxed);
+    for (;;) {
+      const std::size_t budget = budget_.load(std::memory_order_relaxed);
+      if (bytes > budget || used > budget - bytes) {  // written so that it cannot overflow
+        throw_out_of_memory(*this, bytes, alignment,
+                            "limiting_adaptor: " + format_bytes(used) + " in use + " +
+                                format_bytes(bytes) + " requested > budget " +
+                                format_bytes(budget),
+                            oom_verdict::budget);
+      }
+      if (used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed)) {
+        break;
+      }
+    }
+    try {
+      void* p = forward_allocate(bytes, alignment, stream);
+      detail::raise_to(peak_, used + bytes);
+      return p;
+    } catch (...) {
+      used_.fetch_sub(bytes, std::memory_order_relaxed);  // the upstream failed: give it back
+      throw;
+    }
+  }
+
+  void adapt_deallocate(void* p, std::size_t bytes, std::size_t alignment,
+                        detail::request_stream stream) noexcept {
+    forward_deallocate(p, bytes, alignment, stream);
+    used_.fetch_sub(bytes, std::memory_order_relaxed);
+  }
+
+  std::string_view do_name() const noexcept override { return "limiting_adaptor"; }
+  resource_stats do_stats() const override {
+    resource_stats s;
+    s.reserved_bytes = s.used_bytes = used_bytes();
+    s.peak_used_bytes = peak_.load(std::memory_order_relaxed);
+    s.budget = budget();
+    return s;
+  }
+
+  std::atomic<std::size_t> budget_;
+  std::atomic<std::size_t> used_{0};
+  std::atomic<std::size_t> peak_{0};
+};
+
+}  // namespace cudamem

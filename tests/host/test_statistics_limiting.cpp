@@ -1,0 +1,198 @@
+// statistics_adaptor (counters, nested scopes, threads) and limiting_adaptor (budget, verdict,
+// exactness under threads), over host memory.
+#include <cudamem/host_resource.hpp>
+#include <cudamem/limiting_adaptor.hpp>
+#include <cudamem/out_of_memory.hpp>
+#include <cudamem/statistics_adaptor.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace cudamem;
+
+TEST_CASE("statistics: current, peak, totals and counts") {
+  host_resource host;
+  statistics_adaptor counted{host};
+  void* a = counted.allocate(100);
+  void* b = counted.allocate(300, 64, stream_view{});
+  counted.deallocate(a, 100);
+  void* c = counted.allocate(50);
+  allocation_counters now = counted.counters();
+  CHECK(now.current_bytes == 350);
+  CHECK(now.peak_bytes == 400);
+  CHECK(now.allocated_bytes == 450);
+  CHECK(now.freed_bytes == 100);
+  CHECK(now.allocations == 3);
+  CHECK(now.deallocations == 1);
+  CHECK(now.live_allocations() == 2);
+  CHECK(counted.stats().used_bytes == 350);
+  CHECK(counted.stats().peak_used_bytes == 400);
+  counted.deallocate(b, 300, 64, stream_view{});
+  counted.deallocate(c, 50);
+  now = counted.counters();
+  CHECK(now.current_bytes == 0);
+  CHECK(now.live_allocations() == 0);
+  CHECK(host.stats().used_bytes == 0);
+}
+
+TEST_CASE("statistics: bad input and failures count nothing") {
+  host_resource host;
+  statistics_adaptor counted{host};
+  CHECK(counted.allocate(0) == nullptr);
+  counted.deallocate(nullptr, 10);
+  CHECK_THROWS_AS(counted.allocate(10, 48), std::invalid_argument);
+  CHECK_THROWS_AS(counted.allocate(SIZE_MAX / 2), out_of_memory);
+  CHECK(counted.counters().allocations == 0);
+  CHECK(counted.counters().deallocations == 0);
+}
+
+TEST_CASE("statistics: nested scopes see their own phase") {
+  host_resource host;
+  statistics_adaptor counted{host};
+  void* before = counted.allocate(1000);
+  statistics_adaptor::scope outer{counted};
+  void* x = counted.allocate(200);
+  allocation_counters inner_result;
+  {
+    statistics_adaptor::scope inner{counted};
+    void* y = counted.allocate(500);
+    counted.deallocate(y, 500);
+    void* z = counted.allocate(100);
+    counted.deallocate(z, 100);
+    inner_result = inner.counters();
+  }
+  counted.deallocate(x, 200);
+  const allocation_counters o = outer.counters();
+  CHECK(inner_result.allocated_bytes == 600);
+  CHECK(inner_result.allocations == 2);
+  CHECK(inner_result.deallocations == 2);
+  CHECK(inner_result.peak_bytes == 500);  // above the 1200 in use when it opened
+  CHECK(inner_result.current_bytes == 0);
+  CHECK(o.allocated_bytes == 800);
+  CHECK(o.allocations == 3);
+  CHECK(o.peak_bytes == 700);  // x and y together, above the 1000 before
+  CHECK(o.current_bytes == 0);
+  CHECK(o.live_allocations() == 0);
+  counted.deallocate(before, 1000);
+  CHECK(counted.counters().peak_bytes == 1700);
+}
+
+TEST_CASE("statistics: many threads, exact totals") {
+  host_resource host;
+  statistics_adaptor counted{host};
+  statistics_adaptor::scope whole{counted};
+  constexpr int threads = 8;
+  constexpr int rounds = 5000;
+  std::vector<std::thread> workers;
+  for (int t = 0; t < threads; ++t) {
+    workers.emplace_back([&counted] {
+      for (int i = 0; i < rounds; ++i) {
+        void* p = counted.allocate(64);
+        counted.deallocate(p, 64);
+      }
+    });
+  }
+  for (auto& w : workers) {
+    w.join();
+  }
+  const allocation_counters c = counted.counters();
+  CHECK(c.allocations == threads * rounds);
+  CHECK(c.deallocations == threads * rounds);
+  CHECK(c.allocated_bytes == std::size_t{64} * threads * rounds);
+  CHECK(c.current_bytes == 0);
+  CHECK(c.peak_bytes >= 64);
+  CHECK(c.peak_bytes <= 64 * threads);
+  CHECK(whole.counters().allocations == threads * rounds);
+  CHECK(whole.counters().peak_bytes <= 64 * threads);
+}
+
+TEST_CASE("limiting: within the budget, then over it with the budget verdict") {
+  host_resource host;
+  limiting_adaptor capped{host, 1000};
+  void* a = capped.allocate(600);
+  CHECK(capped.used_bytes() == 600);
+  try {
+    static_cast<void>(capped.allocate(500, 128));
+    FAIL("no throw");
+  } catch (const out_of_memory& e) {
+    CHECK(e.verdict() == oom_verdict::budget);
+    CHECK(e.report().requested_bytes == 500);
+    REQUIRE(!e.report().chain.empty());
+    CHECK(e.report().chain[0].name == "limiting_adaptor");
+    CHECK(e.report().chain[0].stats.budget == 1000u);
+    CHECK(e.report().chain[0].stats.used_bytes == 600);
+    const std::string text = e.what();
+    CHECK(text.find("budget") != std::string::npos);
+    CHECK(text.find("raise the budget") != std::string::npos);
+  }
+  CHECK(capped.used_bytes() == 600);  // the failure took nothing
+  void* b = capped.allocate(400);     // exactly up to the budget is allowed
+  capped.deallocate(a, 600);
+  capped.deallocate(b, 400);
+  CHECK(capped.used_bytes() == 0);
+  CHECK(capped.stats().peak_used_bytes == 1000);
+  CHECK(host.stats().used_bytes == 0);
+}
+
+TEST_CASE("limiting: huge requests and lowered budgets cannot overflow the check") {
+  host_resource host;
+  limiting_adaptor capped{host, 1 << 20};
+  void* a = capped.allocate(1 << 19);
+  CHECK_THROWS_AS(capped.allocate(SIZE_MAX), out_of_memory);
+  CHECK_THROWS_AS(capped.allocate(SIZE_MAX - (1 << 18)), out_of_memory);
+  capped.set_budget(100);  // below what is in use: nothing is taken back
+  CHECK_THROWS_AS(capped.allocate(1), out_of_memory);
+  capped.deallocate(a, 1 << 19);
+  void* b = capped.allocate(100);
+  capped.deallocate(b, 100);
+  CHECK(capped.allocate(0) == nullptr);
+  CHECK_THROWS_AS(capped.allocate(8, 0), std::invalid_argument);
+}
+
+TEST_CASE("limiting: an upstream failure gives the budget back and keeps its verdict") {
+  host_resource host;
+  limiting_adaptor inner{host, 100};
+  limiting_adaptor outer{inner, 1000};
+  try {
+    static_cast<void>(outer.allocate(200));
+    FAIL("no throw");
+  } catch (const out_of_memory& e) {
+    CHECK(e.verdict() == oom_verdict::budget);
+    REQUIRE(e.report().chain.size() == 3);  // outer, inner, host
+    CHECK(e.report().chain[1].stats.budget == 100u);
+  }
+  CHECK(outer.used_bytes() == 0);
+}
+
+TEST_CASE("limiting: many threads never pass the budget together") {
+  host_resource host;
+  constexpr std::size_t budget = 64 * 10;
+  limiting_adaptor capped{host, budget};
+  statistics_adaptor counted{capped};  // sees only what the budget let through
+  std::atomic<int> refused{0};
+  std::vector<std::thread> workers;
+  for (int t = 0; t < 8; ++t) {
+    workers.emplace_back([&] {
+      for (int i = 0; i < 3000; ++i) {
+        try {
+          void* p = counted.allocate(64);
+          counted.deallocate(p, 64);
+        } catch (const out_of_memory&) {
+          refused.fetch_add(1);
+        }
+      }
+    });
+  }
+  for (auto& w : workers) {
+    w.join();
+  }
+  CHECK(counted.counters().peak_bytes <= budget);
+  CHECK(capped.stats().peak_used_bytes <= budget);
+  CHECK(capped.used_bytes() == 0);
+  CHECK(refused.load() == 0);  // 8 threads x 64 bytes never exceed 10 x 64
+}

@@ -1,0 +1,302 @@
+// tracking_adaptor: the record, leak reports naming the user's line, the three bad frees
+// (never forwarded), many threads, and a seed-style program that leaks under an exception.
+#include <cudamem/host_resource.hpp>
+#include <cudamem/out_of_memory.hpp>
+#include <cudamem/tracking_adaptor.hpp>
+
+#include "captured_errors.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace cudamem;
+using cudamem_test::captured_errors;
+
+namespace {
+
+/// Counts what reaches it, so a test can see that a bad free was not forwarded.
+class counting_resource final : public memory_resource {
+ public:
+  counting_resource() : memory_resource(memory_kind::host, -1) {}
+  std::size_t frees = 0;
+  std::size_t allocations = 0;
+  std::size_t fail_above = SIZE_MAX;
+
+ private:
+  void* do_allocate(std::size_t bytes, std::size_t alignment, stream_view) override {
+    return do_allocate_sync(bytes, alignment);
+  }
+  void do_deallocate(void* p, std::size_t bytes, std::size_t alignment,
+                     stream_view) noexcept override {
+    do_deallocate_sync(p, bytes, alignment);
+  }
+  void* do_allocate_sync(std::size_t bytes, std::size_t alignment) override {
+    if (bytes > fail_above) {
+      throw_out_of_memory(*this, bytes, alignment, "test limit");
+    }
+    ++allocations;
+    return host_.allocate(bytes, alignment);
+  }
+  void do_deallocate_sync(void* p, std::size_t bytes, std::size_t alignment) noexcept override {
+    ++frees;
+    host_.deallocate(p, bytes, alignment);
+  }
+  std::string_view do_name() const noexcept override { return "counting"; }
+  host_resource host_;
+};
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+}  // namespace
+
+TEST_CASE("tracking records pointer, bytes, alignment, stream, site, thread") {
+  host_resource host;
+  tracking_adaptor tracked{host};
+  const unsigned line = __LINE__ + 1;
+  void* p = tracked.allocate(1000, 64);
+  void* q = tracked.allocate(24, 8, stream_view{reinterpret_cast<cudaStream_t>(0x10)});
+  REQUIRE(tracked.live_count() == 2);
+  const auto record = tracked.find(p);
+  REQUIRE(record);
+  CHECK(record->pointer == p);
+  CHECK(record->bytes == 1000);
+  CHECK(record->alignment == 64);
+  CHECK_FALSE(record->stream.has_value());
+  CHECK(record->site.line() == line);
+  CHECK(contains(record->site.file_name(), "test_tracking_adaptor.cpp"));
+  CHECK(record->thread == std::this_thread::get_id());
+  CHECK(tracked.find(q)->stream == reinterpret_cast<cudaStream_t>(0x10));
+  CHECK(tracked.find(q)->sequence == record->sequence + 1);
+  CHECK(tracked.stats().used_bytes == 1024);
+  CHECK(tracked.upstream() == &host);
+  CHECK(tracked.kind() == memory_kind::host);
+
+  const leak_report leaks = tracked.leaks();
+  REQUIRE(leaks.leaks.size() == 2);
+  CHECK(leaks.leaks[0].pointer == p);  // oldest first
+  CHECK(leaks.total_bytes == 1024);
+  CHECK(contains(leaks.to_text(), "2 live allocations (1.00 KiB)"));
+  CHECK(contains(leaks.to_text(), "test_tracking_adaptor.cpp:" + std::to_string(line)));
+
+  tracked.deallocate(p, 1000, 64);
+  tracked.deallocate(q, 24, 8, stream_view{reinterpret_cast<cudaStream_t>(0x10)});
+  CHECK(tracked.live_count() == 0);
+  CHECK(tracked.leaks().empty());
+  CHECK(host.stats().used_bytes == 0);
+  CHECK(tracked.stats().peak_used_bytes == 1024);
+}
+
+TEST_CASE("a leak is reported at destruction with the user's file and line, never thrown") {
+  host_resource host;
+  captured_errors errors;
+  void* leaked = nullptr;
+  unsigned line = 0;
+  {
+    tracking_adaptor tracked{host};
+    line = __LINE__ + 1;
+    leaked = tracked.allocate(3 << 20);
+  }
+  REQUIRE(errors.messages().size() == 1);
+  const std::string& message = errors.messages()[0];
+  CHECK(contains(message, "leak: 3.00 MiB"));
+  CHECK(contains(message, "test_tracking_adaptor.cpp:" + std::to_string(line)));
+  CHECK(host.stats().used_bytes == 3 << 20);  // left alone: it may still be in use
+  host.deallocate(leaked, 3 << 20);
+}
+
+TEST_CASE("bad frees are reported and never reach the upstream") {
+  counting_resource counting;
+  captured_errors errors;
+  tracking_adaptor tracked{counting};
+  const unsigned line = __LINE__ + 1;
+  void* p = tracked.allocate(512, 256);
+
+  SECTION("a pointer it never gave out") {
+    int local = 0;
+    tracked.deallocate(&local, 4, 4);
+    CHECK(counting.frees == 0);
+    REQUIRE(errors.messages().size() == 1);
+    CHECK(contains(errors.messages()[0], "never gave out"));
+    tracked.deallocate(p, 512, 256);
+  }
+  SECTION("a double free names where it was allocated") {
+    tracked.deallocate(p, 512, 256);
+    tracked.deallocate(p, 512, 256);
+    CHECK(counting.frees == 1);
+    REQUIRE(errors.messages().size() == 1);
+    CHECK(contains(errors.messages()[0], "double free"));
+    CHECK(contains(errors.messages()[0], "test_tracking_adaptor.cpp:" + std::to_string(line)));
+  }
+  SECTION("a size mismatch keeps the allocation live, a correct free then works") {
+    tracked.deallocate(p, 1024, 256);
+    tracked.deallocate(p, 512, 128);
+    CHECK(counting.frees == 0);
+    REQUIRE(errors.messages().size() == 2);
+    CHECK(contains(errors.messages()[0], "size mismatch"));
+    CHECK(contains(errors.messages()[0], "deallocate(1024 bytes"));
+    CHECK(contains(errors.messages()[1], "alignment 128"));
+    CHECK(tracked.live_count() == 1);
+    tracked.deallocate(p, 512, 256);
+    CHECK(counting.frees == 1);
+  }
+  CHECK(tracked.bad_frees() >= 1);
+  CHECK(tracked.live_count() == 0);
+}
+
+TEST_CASE("a reused address is live again, not a double free") {
+  host_resource host;
+  captured_errors errors;
+  tracking_adaptor tracked{host};
+  // Allocate and free the same size until the allocator hands back an address it freed.
+  void* first = tracked.allocate(64);
+  tracked.deallocate(first, 64);
+  void* again = nullptr;
+  std::vector<void*> others;
+  for (int i = 0; i < 64 && again != first; ++i) {
+    again = tracked.allocate(64);
+    if (again != first) {
+      others.push_back(again);
+    }
+  }
+  if (again == first) {
+    tracked.deallocate(again, 64);
+  }
+  for (void* p : others) {
+    tracked.deallocate(p, 64);
+  }
+  CHECK(errors.messages().empty());
+  CHECK(tracked.live_count() == 0);
+}
+
+TEST_CASE("zero bytes, null, bad alignment and upstream failures") {
+  counting_resource counting;
+  counting.fail_above = 1 << 20;
+  captured_errors errors;
+  tracking_adaptor tracked{counting};
+  CHECK(tracked.allocate(0) == nullptr);
+  tracked.deallocate(nullptr, 8);
+  CHECK_THROWS_AS(tracked.allocate(8, 3), std::invalid_argument);
+  try {
+    static_cast<void>(tracked.allocate(2 << 20));
+    FAIL("no throw");
+  } catch (const out_of_memory& e) {
+    // The report starts at the adaptor and keeps the upstream's cause.
+    REQUIRE(e.report().chain.size() == 2);
+    CHECK(e.report().chain[0].name == "tracking_adaptor");
+    CHECK(e.report().cause == "test limit");
+  }
+  CHECK(tracked.live_count() == 0);
+  CHECK(errors.messages().empty());
+  CHECK(counting.allocations == 0);
+}
+
+TEST_CASE("many threads at once, with a bad free among them") {
+  host_resource host;
+  captured_errors errors;
+  tracking_adaptor tracked{host};
+  constexpr int threads = 8;
+  constexpr int rounds = 2000;
+  std::vector<std::thread> workers;
+  for (int t = 0; t < threads; ++t) {
+    workers.emplace_back([&tracked, t] {
+      std::vector<std::pair<void*, std::size_t>> mine;
+      for (int i = 0; i < rounds; ++i) {
+        const std::size_t bytes = 16 + static_cast<std::size_t>((i * 37 + t) % 500);
+        mine.emplace_back(tracked.allocate(bytes, 16), bytes);
+        if (i % 3 == 2) {
+          tracked.deallocate(mine.front().first, mine.front().second, 16);
+          mine.erase(mine.begin());
+        }
+      }
+      for (auto [p, bytes] : mine) {
+        tracked.deallocate(p, bytes, 16);
+      }
+    });
+  }
+  for (auto& w : workers) {
+    w.join();
+  }
+  CHECK(tracked.live_count() == 0);
+  CHECK(host.stats().used_bytes == 0);
+  CHECK(errors.messages().empty());
+  CHECK(tracked.bad_frees() == 0);
+}
+
+// --- a seed-style program: allocations in a loop, an exception, one buffer leaked --------------
+
+namespace {
+
+/// What seed programs do: a raw allocation that only a happy path frees.
+struct raw_buffer_user {
+  memory_resource& mr;
+  unsigned leak_line = 0;
+
+  void step(int i) {
+    leak_line = __LINE__ + 1;
+    void* scratch = mr.allocate(1 << 16);
+    if (i == 7) {
+      throw std::runtime_error("step 7 failed");  // skips the free below: a leak
+    }
+    mr.deallocate(scratch, 1 << 16);
+  }
+};
+
+/// An RAII owner that forwards its caller's line, like device_buffer does.
+class owned_bytes {
+ public:
+  owned_bytes(std::size_t bytes, memory_resource& mr,
+              std::source_location where = std::source_location::current())
+      : mr_(&mr), bytes_(bytes), p_(mr.allocate(bytes, default_alignment, where)) {}
+  ~owned_bytes() { mr_->deallocate(p_, bytes_); }
+  owned_bytes(const owned_bytes&) = delete;
+  owned_bytes& operator=(const owned_bytes&) = delete;
+
+ private:
+  memory_resource* mr_;
+  std::size_t bytes_;
+  void* p_;
+};
+
+}  // namespace
+
+TEST_CASE("seed program: the leaked allocation is named by file and line") {
+  host_resource host;
+  captured_errors errors;
+  unsigned leak_line = 0;
+  void* leaked = nullptr;
+  {
+    tracking_adaptor tracked{host};
+    raw_buffer_user user{tracked};
+    try {
+      for (int i = 0; i < 10; ++i) {
+        const owned_bytes per_step(4096, tracked);  // freed by RAII even when step throws
+        user.step(i);
+      }
+    } catch (const std::runtime_error&) {
+    }
+    leak_line = user.leak_line;
+    {
+      const unsigned owner_line = __LINE__ + 1;
+      const owned_bytes kept(100, tracked);
+      const leak_report leaks = tracked.leaks();
+      REQUIRE(leaks.leaks.size() == 2);
+      CHECK(leaks.leaks[0].site.line() == leak_line);
+      CHECK(leaks.leaks[1].site.line() == owner_line);  // the user's line, not owned_bytes'
+      CHECK(contains(leaks.to_text(), "test_tracking_adaptor.cpp:" + std::to_string(owner_line)));
+      leaked = leaks.leaks[0].pointer;
+    }
+  }
+  // Only the raw allocation skipped by the exception is left when the adaptor goes.
+  REQUIRE(errors.messages().size() == 1);
+  CHECK(contains(errors.messages()[0], "test_tracking_adaptor.cpp:" + std::to_string(leak_line)));
+  CHECK(contains(errors.messages()[0], "64.00 KiB"));
+  CHECK(host.stats().used_bytes == 1 << 16);
+  host.deallocate(leaked, 1 << 16);
+}
