@@ -2,15 +2,23 @@
 // (they compile faster); this is for applications and examples.
 #pragma once
 
+#include <cudamem/context.hpp>
 #include <cudamem/device.hpp>
+#include <cudamem/device_scope.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/event.hpp>
 #include <cudamem/host_resource.hpp>
+#include <cudamem/limit_guard.hpp>
 #include <cudamem/limiting_adaptor.hpp>
+#include <cudamem/log_format.hpp>
+#include <cudamem/logging_adaptor.hpp>
 #include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
+#include <cudamem/primary_context.hpp>
+#include <cudamem/retry_adaptor.hpp>
 #include <cudamem/statistics_adaptor.hpp>
 #include <cudamem/stream.hpp>
+#include <cudamem/sync_guard.hpp>
 #include <cudamem/tracking_adaptor.hpp>
 #include <cudamem/version.hpp>
