@@ -1,0 +1,106 @@
+# One packaging test: get cudamem one way (MODE), build the consumer project in a fresh
+# directory, run both consumers, and check what must (not) be there. Run by ctest as
+#   cmake -D MODE=... -D <the variables below> -P consume.cmake
+#
+# MODE             install          `cmake --install` the developer build tree, find_package
+#                  vcpkg            the steps of ports/cudamem/portfile.cmake, then find_package
+#                  add_subdirectory the source tree, add_subdirectory
+#                  fetchcontent     a tarball of the source tree, FetchContent
+# SOURCE_DIR       cudamem's source tree
+# BUILD_TREE       the developer build tree (MODE=install)
+# WORK_DIR         scratch directory, emptied first
+# GENERATOR, CUDA_COMPILER, CUDA_ARCHITECTURES, PREFIX_PATH (where GSL is), EXPECTED_VERSION
+cmake_minimum_required(VERSION 3.25)
+include(${CMAKE_CURRENT_LIST_DIR}/packaging_checks.cmake)
+
+foreach(var MODE SOURCE_DIR WORK_DIR GENERATOR CUDA_COMPILER EXPECTED_VERSION)
+  if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
+    message(FATAL_ERROR "consume.cmake: ${var} is not set")
+  endif()
+endforeach()
+
+file(REMOVE_RECURSE ${WORK_DIR})
+file(MAKE_DIRECTORY ${WORK_DIR})
+set(consumer_args -DCMAKE_BUILD_TYPE=Release)
+set(prefix_path ${PREFIX_PATH})
+
+if(MODE STREQUAL "install")
+  set(prefix ${WORK_DIR}/prefix)
+  packaging_run(${CMAKE_COMMAND} --install ${BUILD_TREE} --prefix ${prefix})
+  packaging_check_installed_tree(${prefix} share/cmake/cudamem "${SOURCE_DIR};${BUILD_TREE}")
+  list(PREPEND prefix_path ${prefix})
+  list(APPEND consumer_args -DCUDAMEM_CONSUME=find_package)
+
+elseif(MODE STREQUAL "vcpkg")
+  # What ports/cudamem/portfile.cmake makes vcpkg do, step by step (vcpkg itself is not
+  # available here). vcpkg_cmake_configure: a release-only configure with the port's options.
+  # The options are read from the portfile, so the test and the port cannot drift apart.
+  set(packages ${WORK_DIR}/packages)
+  file(STRINGS ${SOURCE_DIR}/ports/cudamem/portfile.cmake port_options REGEX "^ +-DCUDAMEM_")
+  list(TRANSFORM port_options STRIP)
+  if(NOT "-DCUDAMEM_BUILD_TESTS=OFF" IN_LIST port_options)
+    message(FATAL_ERROR "the portfile does not turn the tests off: ${port_options}")
+  endif()
+  packaging_run(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/port-build -G ${GENERATOR}
+    -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=${packages} "-DCMAKE_PREFIX_PATH=${PREFIX_PATH}"
+    ${port_options})
+  # With everything off, configuring must not have needed the CUDA compiler.
+  file(STRINGS ${WORK_DIR}/port-build/CMakeCache.txt cuda_compiler_line REGEX "^CMAKE_CUDA_COMPILER:")
+  if(cuda_compiler_line)
+    message(FATAL_ERROR "the port's configure enabled CUDA: ${cuda_compiler_line}")
+  endif()
+  # vcpkg_cmake_install
+  packaging_run(${CMAKE_COMMAND} --build ${WORK_DIR}/port-build --target install)
+  # vcpkg_cmake_config_fixup(CONFIG_PATH share/cmake/cudamem)
+  packaging_vcpkg_config_fixup(${packages} share/cmake/cudamem share/cudamem)
+  # the portfile's clean-up, vcpkg_install_copyright and the usage file
+  file(REMOVE_RECURSE ${packages}/share/doc)
+  file(COPY_FILE ${SOURCE_DIR}/LICENSE ${packages}/share/cudamem/copyright)
+  file(COPY_FILE ${SOURCE_DIR}/ports/cudamem/usage ${packages}/share/cudamem/usage)
+  packaging_check_installed_tree(${packages} share/cudamem "${SOURCE_DIR};${WORK_DIR}/port-build")
+  # vcpkg's toolchain puts installed/<triplet> on CMAKE_PREFIX_PATH; find_package then looks in
+  # <prefix>/share/cudamem.
+  list(PREPEND prefix_path ${packages})
+  list(APPEND consumer_args -DCUDAMEM_CONSUME=find_package)
+
+elseif(MODE STREQUAL "add_subdirectory")
+  list(APPEND consumer_args -DCUDAMEM_CONSUME=add_subdirectory -DCUDAMEM_SOURCE_DIR=${SOURCE_DIR})
+
+elseif(MODE STREQUAL "fetchcontent")
+  # A release tarball holds what a consumer needs: no tests, examples or benchmarks, so this
+  # also proves the library configures without them.
+  set(archive ${WORK_DIR}/cudamem-${EXPECTED_VERSION}.tar.gz)
+  set(staging ${WORK_DIR}/cudamem-${EXPECTED_VERSION})
+  file(MAKE_DIRECTORY ${staging})
+  file(COPY ${SOURCE_DIR}/CMakeLists.txt ${SOURCE_DIR}/LICENSE ${SOURCE_DIR}/cmake
+       ${SOURCE_DIR}/include DESTINATION ${staging})
+  packaging_run(${CMAKE_COMMAND} -E tar czf ${archive} cudamem-${EXPECTED_VERSION}
+                WORKING_DIRECTORY ${WORK_DIR})
+  file(REMOVE_RECURSE ${staging})
+  file(SHA256 ${archive} archive_sha256)
+  list(APPEND consumer_args -DCUDAMEM_CONSUME=fetchcontent -DCUDAMEM_ARCHIVE=${archive}
+       -DCUDAMEM_ARCHIVE_SHA256=${archive_sha256})
+
+else()
+  message(FATAL_ERROR "consume.cmake: unknown MODE '${MODE}'")
+endif()
+
+# --- the consumer ------------------------------------------------------------------------------
+set(consumer_build ${WORK_DIR}/consumer-build)
+if(CUDA_ARCHITECTURES)
+  list(APPEND consumer_args -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURES})
+endif()
+string(REPLACE ";" "\\;" prefix_path_arg "${prefix_path}")
+packaging_request_codemodel(${consumer_build})
+packaging_run(${CMAKE_COMMAND} -S ${CMAKE_CURRENT_LIST_DIR}/consumer -B ${consumer_build}
+  -G ${GENERATOR} -DCMAKE_CUDA_COMPILER=${CUDA_COMPILER} "-DCMAKE_PREFIX_PATH=${prefix_path_arg}"
+  ${consumer_args})
+packaging_run(${CMAKE_COMMAND} --build ${consumer_build})
+
+if(MODE STREQUAL "add_subdirectory" OR MODE STREQUAL "fetchcontent")
+  packaging_check_embedded(${consumer_build} ${WORK_DIR}/consumer-install)
+endif()
+
+packaging_run_consumer(${consumer_build}/consumer_cpp consumer_cpp ${EXPECTED_VERSION})
+packaging_run_consumer(${consumer_build}/consumer_cu consumer_cu ${EXPECTED_VERSION})
+message(STATUS "packaging ${MODE}: consumers built and ran as expected")

@@ -1,0 +1,153 @@
+# Helpers shared by the packaging test scripts (cmake -P). Each one checks something and stops
+# the test with FATAL_ERROR, saying what was wrong, when it does not hold.
+
+# Runs a command; stops with its output when it fails.
+function(packaging_run)
+  cmake_parse_arguments(PARSE_ARGV 0 arg "" "WORKING_DIRECTORY" "")
+  set(where "")
+  if(arg_WORKING_DIRECTORY)
+    set(where WORKING_DIRECTORY ${arg_WORKING_DIRECTORY})
+  endif()
+  list(JOIN arg_UNPARSED_ARGUMENTS " " shown)
+  message(STATUS "running: ${shown}")
+  execute_process(COMMAND ${arg_UNPARSED_ARGUMENTS} ${where}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "failed (${rc}): ${shown}\n${out}")
+  endif()
+endfunction()
+
+# An installed prefix must hold the headers and the package config under `config_dir`, and no
+# file in it may name a directory of the machine that built it (`forbidden_paths`): the tree
+# must work wherever it is copied to.
+function(packaging_check_installed_tree prefix config_dir forbidden_paths)
+  foreach(required include/cudamem/cudamem.hpp include/cudamem/version.hpp
+                   ${config_dir}/cudamemConfig.cmake ${config_dir}/cudamemConfigVersion.cmake
+                   ${config_dir}/cudamemTargets.cmake)
+    if(NOT EXISTS ${prefix}/${required})
+      message(FATAL_ERROR "installed tree lacks ${required}")
+    endif()
+  endforeach()
+  file(GLOB_RECURSE installed LIST_DIRECTORIES false ${prefix}/*)
+  list(LENGTH installed count)
+  foreach(file IN LISTS installed)
+    file(READ ${file} contents)
+    foreach(path IN LISTS forbidden_paths)
+      string(FIND "${contents}" "${path}" at)
+      if(NOT at EQUAL -1)
+        message(FATAL_ERROR "installed file ${file} contains the build machine's path ${path}")
+      endif()
+    endforeach()
+  endforeach()
+  message(STATUS "installed tree: ${count} files, none names ${forbidden_paths}")
+endfunction()
+
+# vcpkg_cmake_config_fixup, the part that concerns a header-only package: the config files move
+# from `from` to `to` (vcpkg wants share/<port>), an emptied parent named "cmake" goes, and
+# the generated code that finds the prefix from the file's own location climbs as many levels
+# as `to` is deep.
+function(packaging_vcpkg_config_fixup prefix from to)
+  file(GLOB config_files ${prefix}/${from}/*)
+  file(MAKE_DIRECTORY ${prefix}/${to})
+  file(COPY ${config_files} DESTINATION ${prefix}/${to})
+  file(REMOVE_RECURSE ${prefix}/${from})
+  get_filename_component(parent ${prefix}/${from} DIRECTORY)
+  get_filename_component(parent_name ${parent} NAME)
+  file(GLOB left_in_parent ${parent}/*)
+  if(parent_name STREQUAL "cmake" AND NOT left_in_parent)
+    file(REMOVE_RECURSE ${parent})
+  endif()
+
+  string(REGEX MATCHALL "[^/]+" to_parts "${to}")
+  list(LENGTH to_parts depth)
+  set(climb_dirs "")
+  set(climb_steps "get_filename_component(_IMPORT_PREFIX \"\${CMAKE_CURRENT_LIST_FILE}\" PATH)")
+  foreach(level RANGE 1 ${depth})
+    string(APPEND climb_dirs "../")
+    string(APPEND climb_steps "\nget_filename_component(_IMPORT_PREFIX \"\${_IMPORT_PREFIX}\" PATH)")
+  endforeach()
+  file(GLOB moved ${prefix}/${to}/*.cmake)
+  foreach(file IN LISTS moved)
+    file(READ ${file} contents)
+    # configure_package_config_file's @PACKAGE_INIT@
+    string(REGEX REPLACE "get_filename_component\\(PACKAGE_PREFIX_DIR \"\\\${CMAKE_CURRENT_LIST_DIR}/[./]*\" ABSOLUTE\\)"
+           "get_filename_component(PACKAGE_PREFIX_DIR \"\${CMAKE_CURRENT_LIST_DIR}/${climb_dirs}\" ABSOLUTE)"
+           contents "${contents}")
+    # install(EXPORT)'s targets file
+    string(REGEX REPLACE "get_filename_component\\(_IMPORT_PREFIX \"\\\${CMAKE_CURRENT_LIST_FILE}\" PATH\\)(\nget_filename_component\\(_IMPORT_PREFIX \"\\\${_IMPORT_PREFIX}\" PATH\\))*"
+           "${climb_steps}" contents "${contents}")
+    file(WRITE ${file} "${contents}")
+  endforeach()
+endfunction()
+
+# cudamem pulled into a consumer's build (add_subdirectory, FetchContent) must add no targets of
+# its own beyond the library (no tests, examples, benchmarks, header checks) and no install
+# rules: installing the consumer, which installs nothing itself, must leave the prefix empty.
+function(packaging_check_embedded consumer_build install_prefix)
+  packaging_target_names(${consumer_build} targets)
+  if(NOT "consumer_cu" IN_LIST targets OR NOT "consumer_cpp" IN_LIST targets)
+    message(FATAL_ERROR "the target list lacks the consumer's own targets: ${targets}")
+  endif()
+  foreach(target IN LISTS targets)
+    if(NOT target MATCHES "^consumer_(cpp|cu)$|^cudamem$")
+      message(FATAL_ERROR "the consumer's build has a target it did not ask for: ${target}")
+    endif()
+  endforeach()
+  if(EXISTS ${consumer_build}/CTestTestfile.cmake OR EXISTS ${consumer_build}/cudamem/CTestTestfile.cmake
+     OR EXISTS ${consumer_build}/_deps/cudamem-build/CTestTestfile.cmake)
+    message(FATAL_ERROR "the consumer's build has cudamem's tests (a CTestTestfile.cmake)")
+  endif()
+  packaging_run(${CMAKE_COMMAND} --install ${consumer_build} --prefix ${install_prefix})
+  file(GLOB_RECURSE installed ${install_prefix}/*)
+  if(installed)
+    message(FATAL_ERROR "installing the consumer installed cudamem's files: ${installed}")
+  endif()
+  message(STATUS "embedded cudamem: no tests, examples, benchmarks or install rules")
+endfunction()
+
+# Asks CMake's file API, before a project is configured in `build_dir`, for its code model.
+function(packaging_request_codemodel build_dir)
+  file(MAKE_DIRECTORY ${build_dir}/.cmake/api/v1/query)
+  file(TOUCH ${build_dir}/.cmake/api/v1/query/codemodel-v2)
+endfunction()
+
+# The names of all targets in the configured project in `build_dir` (all directories, so a
+# subproject's targets are included), from the code model the file API wrote.
+function(packaging_target_names build_dir out_var)
+  file(GLOB codemodel ${build_dir}/.cmake/api/v1/reply/codemodel-v2-*.json)
+  if(NOT codemodel)
+    message(FATAL_ERROR "no code model in ${build_dir} (packaging_request_codemodel not called?)")
+  endif()
+  file(READ ${codemodel} json)
+  string(JSON target_count LENGTH "${json}" configurations 0 targets)
+  set(names "")
+  math(EXPR last "${target_count} - 1")
+  foreach(i RANGE ${last})
+    string(JSON name GET "${json}" configurations 0 targets ${i} name)
+    list(APPEND names ${name})
+  endforeach()
+  set(${out_var} ${names} PARENT_SCOPE)
+endfunction()
+
+# Runs one consumer program. Two outcomes are right: exit 0 with "<name>: OK" (a GPU), or exit
+# 69 with cudamem's no-device message (no GPU). Both must print the version. Anything else
+# fails the test.
+function(packaging_run_consumer program name expected_version)
+  execute_process(COMMAND ${program} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  message(STATUS "${name} exited ${rc}:\n${out}")
+  string(FIND "${out}" "${name}: cudamem ${expected_version}\n" at)
+  if(at EQUAL -1)
+    message(FATAL_ERROR "${name} did not print the version ${expected_version}")
+  endif()
+  if(rc EQUAL 0)
+    set(expected "${name}: OK")
+  elseif(rc EQUAL 69)
+    set(expected "${name}: no usable CUDA device")
+  else()
+    message(FATAL_ERROR "${name} exited ${rc}: neither 0 (GPU) nor 69 (no device)")
+  endif()
+  string(FIND "${out}" "${expected}" at)
+  if(at EQUAL -1)
+    message(FATAL_ERROR "${name} exited ${rc} but did not print \"${expected}\"")
+  endif()
+endfunction()
