@@ -18,7 +18,8 @@
 // - Thread-safe: one mutex orders the lines, so times never go backwards down the file.
 //   Lines are buffered by the stream; `flush()` pushes them out, the destructor does too.
 // - `sample_reserved` adds the bytes the chain's leaf (e.g. the device upstream under a pool)
-//   holds at each event (read just before the line is written): what a pool reserves over time. It costs a `stats()` call per event.
+//   holds at each event (read just before the line is written): what a pool reserves over
+//   time. It costs a `stats()` call per event.
 // - A stream that fails (disk full, exceptions enabled on it) never breaks an allocation or
 //   a free: the first failure goes to the error handler, later lines are dropped.
 // - The ostream must outlive the adaptor; with a path, the adaptor owns the file and throws

@@ -9,18 +9,25 @@
 // Contract
 // - `make_memory_report(resource, bytes, alignment)` walks `resource` and its upstreams
 //   (`memory_resource::upstream()`), records each one's `resource_stats`, reads the device's
-//   free/total memory (the simulated device's capacity when the leaf has one; the real device
-//   via cudaMemGetInfo otherwise; nothing for host memory), and decides a verdict:
-//     budget              a limiting resource's budget would be exceeded;
+//   free/total memory (the simulated device's capacity when the leaf has one, less what it
+//   says others hold; the real device via cudaMemGetInfo otherwise; nothing for host memory),
+//   and decides a verdict, checked in this order:
+//     budget              a limiting resource's budget would be exceeded (bytes in use there +
+//                         the request > its `stats().budget`);
 //     larger_than_device  the request is larger than the device's total memory;
-//     fragmentation       a pool holds enough free bytes in total but no block large enough,
-//                         and the device cannot supply the difference;
-//     held_by_others      memory this chain does not hold (other processes, contexts or
-//                         resources) is what stands in the way;
+//     fragmentation       enough is free, in the wrong shape: a pool holds enough free bytes in
+//                         total but no block large enough and the device cannot supply the
+//                         difference, or the device itself has enough free but no free range
+//                         large enough (the leaf reports a `largest_free_block` < the request);
+//     held_by_others      memory this chain does not hold (device used - what the chain's leaf
+//                         holds: other processes, other contexts, other resources) is more than
+//                         what the chain holds;
 //     exhausted           this chain itself holds the memory;
 //     unknown             not enough information (e.g. no device to ask).
-// - `to_text()` is a short paragraph in human units with one hint for the verdict;
-//   `to_json()` is the same as a JSON object.
+// - `to_text()` is one short paragraph in human units (B, KiB, MiB, GiB): the request, the
+//   device (free, total, held by this chain, held by others), each resource of the chain, the
+//   verdict with the numbers that decided it, and one hint that fits the verdict.
+//   `to_json()` is the same as one JSON object (all figures in bytes).
 // - Making a report never throws for lack of a device: figures it cannot get are left empty.
 #pragma once
 
@@ -94,6 +101,56 @@ struct memory_report {
     return chain.empty() ? 0 : chain.back().stats.reserved_bytes;
   }
 
+  /// Device memory in use that this chain does not hold (other processes, contexts and
+  /// resources); empty without device figures.
+  [[nodiscard]] std::optional<std::size_t> held_by_others() const noexcept {
+    if (!device_total || !device_free) {
+      return std::nullopt;
+    }
+    const std::size_t used = *device_total > *device_free ? *device_total - *device_free : 0;
+    return used > held_by_chain() ? used - held_by_chain() : 0;
+  }
+
+  /// One sentence with the numbers behind the verdict.
+  [[nodiscard]] std::string explanation() const {
+    switch (verdict) {
+      case oom_verdict::budget:
+        for (const resource_snapshot& r : chain) {
+          if (r.stats.budget && r.stats.used_bytes + requested_bytes > *r.stats.budget) {
+            return r.name + " has " + format_bytes(r.stats.used_bytes) + " in use; " +
+                   format_bytes(requested_bytes) + " more would pass its budget of " +
+                   format_bytes(*r.stats.budget) + ".";
+          }
+        }
+        return "A budget in the chain would be exceeded.";
+      case oom_verdict::larger_than_device:
+        return "The request is larger than the device's " +
+               (device_total ? format_bytes(*device_total) : std::string("memory")) + ".";
+      case oom_verdict::fragmentation:
+        for (const resource_snapshot& r : chain) {
+          if (r.stats.largest_free_block && *r.stats.largest_free_block < requested_bytes) {
+            const std::size_t free =
+                &r == &chain.back() && device_free ? *device_free : r.stats.free_bytes();
+            return r.name + " has " + format_bytes(free) +
+                   " free in total, but its largest free block is " +
+                   format_bytes(*r.stats.largest_free_block) + ".";
+          }
+        }
+        return "Enough memory is free, but not in one piece.";
+      case oom_verdict::held_by_others:
+        return format_bytes(held_by_others().value_or(0)) +
+               " of the device is held outside this chain, against " +
+               format_bytes(held_by_chain()) + " held by it.";
+      case oom_verdict::exhausted:
+        return "This chain holds " + format_bytes(held_by_chain()) +
+               (device_total ? " of the device's " + format_bytes(*device_total) : std::string()) +
+               ".";
+      case oom_verdict::unknown:
+        break;
+    }
+    return "The device's free and total memory are not known.";
+  }
+
   /// The hint that fits the verdict.
   [[nodiscard]] std::string hint() const {
     switch (verdict) {
@@ -134,6 +191,8 @@ struct memory_report {
     }
     if (device_free && device_total) {
       text += " Device: " + format_bytes(*device_free) + " free of " + format_bytes(*device_total) +
+              "; this chain holds " + format_bytes(held_by_chain()) + ", others (processes, " +
+              "contexts, other resources) hold " + format_bytes(held_by_others().value_or(0)) +
               ".";
     }
     for (const resource_snapshot& r : chain) {
@@ -150,7 +209,8 @@ struct memory_report {
       }
       text += ".";
     }
-    text += " Verdict: " + std::string(to_string(verdict)) + ". " + hint();
+    text += " Verdict: " + std::string(to_string(verdict)) + ". " + explanation() + " " +
+            hint();
     return text;
   }
 
@@ -165,7 +225,9 @@ struct memory_report {
                        ",\"device_free\":" + number(device_free) +
                        ",\"device_total\":" + number(device_total) + ",\"verdict\":\"" +
                        std::string(to_string(verdict)) + "\",\"cause\":" + quote(cause) +
-                       ",\"hint\":" + quote(hint()) + ",\"chain\":[";
+                       ",\"explanation\":" + quote(explanation()) + ",\"hint\":" + quote(hint()) +
+            ",\"held_by_chain\":" + std::to_string(held_by_chain()) +
+            ",\"held_by_others\":" + number(held_by_others()) + ",\"chain\":[";
     for (std::size_t i = 0; i < chain.size(); ++i) {
       const resource_snapshot& r = chain[i];
       char frag[32];
@@ -179,7 +241,8 @@ struct memory_report {
               ",\"free_blocks\":" + number(r.stats.free_blocks) +
               ",\"largest_free_block\":" + number(r.stats.largest_free_block) +
               ",\"fragmentation\":" + frag + ",\"budget\":" + number(r.stats.budget) +
-              ",\"capacity\":" + number(r.stats.capacity) + "}";
+              ",\"capacity\":" + number(r.stats.capacity) +
+              ",\"held_elsewhere\":" + number(r.stats.held_elsewhere) + "}";
     }
     json += "]}";
     return json;
@@ -228,11 +291,16 @@ inline oom_verdict diagnose(const memory_report& r) {
       return oom_verdict::fragmentation;
     }
   }
-  const std::size_t used_on_device = *r.device_total - *r.device_free;
-  const std::size_t ours = r.held_by_chain();
-  const std::size_t others = used_on_device > ours ? used_on_device - ours : 0;
+  // The device itself fragmented: enough free on it, but the leaf says no free range is large
+  // enough (a simulated first-fit device; on real GPUs virtual memory makes this rare).
+  if (!r.chain.empty() && *r.device_free >= bytes && r.chain.back().stats.largest_free_block &&
+      *r.chain.back().stats.largest_free_block < bytes) {
+    return oom_verdict::fragmentation;
+  }
   // Whoever holds more of the used memory is what stands in the way.
-  return others > ours ? oom_verdict::held_by_others : oom_verdict::exhausted;
+  const std::size_t ours = r.held_by_chain();
+  return r.held_by_others().value_or(0) > ours ? oom_verdict::held_by_others
+                                               : oom_verdict::exhausted;
 }
 
 }  // namespace detail
@@ -260,9 +328,9 @@ inline oom_verdict diagnose(const memory_report& r) {
   const resource_stats& leaf_stats = report.chain.back().stats;
   if (leaf_stats.capacity) {  // a simulated device: its capacity is the whole device
     report.device_total = *leaf_stats.capacity;
-    report.device_free = *leaf_stats.capacity > leaf_stats.reserved_bytes
-                             ? *leaf_stats.capacity - leaf_stats.reserved_bytes
-                             : 0;
+    const std::size_t not_free =
+        leaf_stats.reserved_bytes + leaf_stats.held_elsewhere.value_or(0);
+    report.device_free = *leaf_stats.capacity > not_free ? *leaf_stats.capacity - not_free : 0;
   } else if (leaf->device() >= 0 && leaf->kind() != memory_kind::host &&
              leaf->kind() != memory_kind::pinned) {
     int previous = -1;

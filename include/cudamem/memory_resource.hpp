@@ -100,6 +100,8 @@ struct resource_stats {
   std::optional<std::size_t> largest_free_block;  ///< pools only: the largest of them
   std::optional<std::size_t> budget;              ///< limiting resources: the byte budget
   std::optional<std::size_t> capacity;            ///< simulated devices: their whole size
+  std::optional<std::size_t> held_elsewhere;      ///< simulated devices: bytes "other processes"
+                                                  ///< hold (not free, not ours)
 
   /// Bytes held but not handed out.
   [[nodiscard]] std::size_t free_bytes() const noexcept {

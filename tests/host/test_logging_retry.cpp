@@ -47,7 +47,8 @@ TEST_CASE("log lines round-trip exactly") {
 }
 
 TEST_CASE("the reader skips comments and the header, and names a bad line") {
-  std::istringstream good{std::string(log_header) + "\nA,1,1,0x0,0x10,8,8,\n# note\nF,2,1,0x0,0x10,8,8,\r\n"};
+  std::istringstream good{std::string(log_header) +
+                          "\nA,1,1,0x0,0x10,8,8,\n# note\nF,2,1,0x0,0x10,8,8,\r\n"};
   const std::vector<log_event> events = read_log(good);
   REQUIRE(events.size() == 2);
   CHECK(events[1].kind == log_event_kind::free);

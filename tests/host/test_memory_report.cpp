@@ -1,10 +1,14 @@
 // memory_report.hpp: every verdict, on resources whose figures the test sets.
+#include <cudamem/limiting_adaptor.hpp>
 #include <cudamem/memory_report.hpp>
 #include <cudamem/out_of_memory.hpp>
+#include <cudamem/simulated_resource.hpp>
+#include <cudamem/tracking_adaptor.hpp>
 
 #include <catch2/catch.hpp>
 
 #include <string>
+#include <vector>
 
 using namespace cudamem;
 
@@ -117,4 +121,103 @@ TEST_CASE("format_bytes uses binary units") {
   CHECK(format_bytes(1023) == "1023 B");
   CHECK(format_bytes(1536) == "1.50 KiB");
   CHECK(format_bytes(GiB) == "1.00 GiB");
+}
+
+// --- added with the adaptors: the numbers behind each verdict, others' memory, real chains ---
+
+namespace {
+bool has(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+}  // namespace
+
+TEST_CASE("verdict: held by other processes or contexts") {
+  resource_stats device = leaf(80 * GiB, 10 * GiB);
+  device.held_elsewhere = 69 * GiB;  // e.g. another process on the same GPU
+  figures_resource gpu{device};
+  const memory_report r = make_memory_report(gpu, 2 * GiB);
+  CHECK(r.verdict == oom_verdict::held_by_others);
+  CHECK(*r.device_free == 1 * GiB);
+  CHECK(r.held_by_chain() == 10 * GiB);
+  CHECK(r.held_by_others() == 69 * GiB);
+  const std::string text = r.to_text();
+  CHECK(has(text, "this chain holds 10.00 GiB, others (processes, contexts, other resources) "
+                  "hold 69.00 GiB"));
+  CHECK(has(text, "69.00 GiB of the device is held outside this chain"));
+  CHECK(has(text, "nvidia-smi"));
+  CHECK(has(r.to_json(), "\"held_by_others\":" + std::to_string(69 * GiB)));
+}
+
+TEST_CASE("exhausted when this chain holds more than the others") {
+  resource_stats device = leaf(80 * GiB, 70 * GiB);
+  device.held_elsewhere = 9 * GiB;
+  figures_resource gpu{device};
+  const memory_report r = make_memory_report(gpu, 2 * GiB);
+  CHECK(r.verdict == oom_verdict::exhausted);
+  CHECK(has(r.to_text(), "This chain holds 70.00 GiB of the device's 80.00 GiB."));
+  CHECK(has(r.to_text(), "free buffers"));
+}
+
+TEST_CASE("verdict: fragmentation of the device itself") {
+  resource_stats device = leaf(80 * GiB, 60 * GiB);
+  device.largest_free_block = 512ull << 20;  // 20 GiB free, in pieces of at most 512 MiB
+  figures_resource gpu{device};
+  const memory_report r = make_memory_report(gpu, 1 * GiB);
+  CHECK(r.verdict == oom_verdict::fragmentation);
+  CHECK(has(r.to_text(), "figures has 20.00 GiB free in total, but its largest free block is "
+                         "512.00 MiB."));
+}
+
+TEST_CASE("each verdict has its own hint and explanation") {
+  std::vector<std::string> hints;
+  for (const oom_verdict v : {oom_verdict::unknown, oom_verdict::budget,
+                              oom_verdict::larger_than_device, oom_verdict::fragmentation,
+                              oom_verdict::held_by_others, oom_verdict::exhausted}) {
+    memory_report r;
+    r.verdict = v;
+    r.requested_bytes = 1;
+    CHECK_FALSE(r.hint().empty());
+    CHECK_FALSE(r.explanation().empty());
+    for (const std::string& other : hints) {
+      CHECK(other != r.hint());
+    }
+    hints.push_back(r.hint());
+  }
+}
+
+TEST_CASE("a real chain: limiting over simulated, the budget explained in human units") {
+  simulated_resource device{{.capacity = 8 * GiB}};
+  limiting_adaptor capped{device, 3 * GiB};
+  tracking_adaptor tracked{capped};
+  void* p = tracked.allocate(2 * GiB);
+  try {
+    static_cast<void>(tracked.allocate(1536ull << 20));
+    FAIL("no throw");
+  } catch (const out_of_memory& e) {
+    const memory_report& r = e.report();
+    CHECK(r.verdict == oom_verdict::budget);
+    REQUIRE(r.chain.size() == 3);
+    CHECK(r.chain[0].name == "tracking_adaptor");
+    CHECK(r.chain[1].name == "limiting_adaptor");
+    CHECK(*r.device_total == 8 * GiB);
+    CHECK(*r.device_free == 6 * GiB);
+    CHECK(has(e.what(), "could not allocate 1.50 GiB"));
+    CHECK(has(e.what(), "limiting_adaptor has 2.00 GiB in use; 1.50 GiB more would pass its "
+                        "budget of 3.00 GiB."));
+    CHECK(has(e.what(), "raise the budget"));
+  }
+  tracked.deallocate(p, 2 * GiB);
+}
+
+TEST_CASE("a real chain: larger than the simulated device") {
+  simulated_resource device{{.capacity = 4 * GiB}};
+  tracking_adaptor tracked{device};
+  try {
+    static_cast<void>(tracked.allocate(5 * GiB));
+    FAIL("no throw");
+  } catch (const out_of_memory& e) {
+    CHECK(e.verdict() == oom_verdict::larger_than_device);
+    CHECK(has(e.what(), "larger than the device's 4.00 GiB"));
+  }
+  CHECK(tracked.live_count() == 0);
 }
