@@ -2,19 +2,30 @@
 // (they compile faster); this is for applications and examples.
 #pragma once
 
+#include <cudamem/async_resource.hpp>
 #include <cudamem/context.hpp>
+#include <cudamem/copy.hpp>
+#include <cudamem/current_resource.hpp>
 #include <cudamem/device.hpp>
+#include <cudamem/device_buffer.hpp>
+#include <cudamem/device_resource.hpp>
 #include <cudamem/device_scope.hpp>
+#include <cudamem/device_span.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/event.hpp>
+#include <cudamem/failing_adaptor.hpp>
 #include <cudamem/host_resource.hpp>
 #include <cudamem/limit_guard.hpp>
 #include <cudamem/limiting_adaptor.hpp>
 #include <cudamem/log_format.hpp>
 #include <cudamem/logging_adaptor.hpp>
+#include <cudamem/managed_resource.hpp>
 #include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
+#include <cudamem/pinned_buffer.hpp>
+#include <cudamem/pinned_resource.hpp>
+#include <cudamem/pmr_resource.hpp>
 #include <cudamem/primary_context.hpp>
 #include <cudamem/retry_adaptor.hpp>
 #include <cudamem/statistics_adaptor.hpp>
@@ -22,3 +33,4 @@
 #include <cudamem/sync_guard.hpp>
 #include <cudamem/tracking_adaptor.hpp>
 #include <cudamem/version.hpp>
+#include <cudamem/vm_pool_resource.hpp>

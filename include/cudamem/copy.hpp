@@ -1,0 +1,168 @@
+// cudamem/copy.hpp — stream-ordered copy and fill between device and host memory, with the
+// direction read from the argument types and sizes checked.
+//
+//   #include <cudamem/copy.hpp>
+//
+//   std::vector<float> host(n, 1.0f);
+//   cudamem::pinned_buffer<float> staging(n);
+//   cudamem::device_buffer<float> dev(n, s);
+//   cudamem::copy(dev, host, s);                    // host (pageable) -> device
+//   cudamem::copy(staging, dev, s);                 // device -> pinned host, fully async
+//   cudamem::copy(dev.span().first(10), gsl::span<const float>(host).first(10), s);
+//   cudamem::fill(dev, 3.0f, s);                    // every element 3.0f, on s
+//   cudamem::fill_zero(dev, s);                     // cudaMemsetAsync(0) on s
+//   cudamem::copy(dev, std::vector<float>(n + 1), s);   // throws std::invalid_argument:
+//                                                       // "destination has n elements, ..."
+//
+// Contract
+// - Operands: device side — `device_buffer<T>`, `device_span<T>`; host side —
+//   `pinned_buffer<T>`, `gsl::span<T>`, `std::span<T>`, `std::vector<T>`, `std::array<T, N>`.
+//   Any pair works (host->device, device->host, device->device, host->host). Element types
+//   must be the same (a compile error otherwise), and the destination writable.
+// - Sizes must match: a mismatch throws `std::invalid_argument` naming both sizes, before any
+//   CUDA call. Zero elements is a no-op (no CUDA call).
+// - The copy is one cudaMemcpyAsync on `stream` with cudaMemcpyDefault: unified addressing
+//   lets CUDA see where each pointer lives, which also covers managed memory and a
+//   device_buffer over pinned memory; the types decide what is accepted.
+// - Timing follows CUDA: with pinned or device memory on both ends the call returns at once
+//   and the copy runs in stream order; a pageable source is staged before the call returns
+//   (you may reuse it at once); a pageable destination is written before the call returns.
+//   Everything else is yours to synchronise: read a pinned destination after `stream`
+//   has reached the copy.
+// - `fill(dst, value, stream)` / `fill_zero(dst, stream)`: device-side operands are filled in
+//   stream order (cudaMemsetAsync when every byte of the value is the same, else copies that
+//   double the filled part); host-side operands are filled by the host after waiting for
+//   `stream`, so a pending copy into them cannot overwrite the fill.
+// - CUDA errors throw `cuda_error`.
+#pragma once
+
+#include <cudamem/detail/stream_ops.hpp>
+#include <cudamem/device_buffer.hpp>
+#include <cudamem/device_span.hpp>
+#include <cudamem/error.hpp>
+#include <cudamem/pinned_buffer.hpp>
+#include <cudamem/stream.hpp>
+
+#include <gsl/gsl>
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <cstring>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace cudamem {
+
+namespace detail {
+
+enum class memory_side { host, device };
+
+/// A copy operand reduced to what the copy needs.
+template <class T>
+struct copy_operand {
+  T* data;
+  std::size_t size;
+  memory_side side;
+};
+
+// One `as_operand` per accepted type: const objects give const elements, which can only be
+// a source.
+template <class T>
+copy_operand<T> as_operand(device_buffer<T>& b) noexcept { return {b.data(), b.size(), memory_side::device}; }
+template <class T>
+copy_operand<const T> as_operand(const device_buffer<T>& b) noexcept { return {b.data(), b.size(), memory_side::device}; }
+template <class T>
+copy_operand<T> as_operand(device_span<T> s) noexcept { return {s.data(), s.size(), memory_side::device}; }
+template <class T>
+copy_operand<T> as_operand(pinned_buffer<T>& b) noexcept { return {b.data(), b.size(), memory_side::host}; }
+template <class T>
+copy_operand<const T> as_operand(const pinned_buffer<T>& b) noexcept { return {b.data(), b.size(), memory_side::host}; }
+template <class T, std::size_t Extent>
+copy_operand<T> as_operand(gsl::span<T, Extent> s) noexcept { return {s.data(), s.size(), memory_side::host}; }
+template <class T, std::size_t Extent>
+copy_operand<T> as_operand(std::span<T, Extent> s) noexcept { return {s.data(), s.size(), memory_side::host}; }
+template <class T, class Allocator>
+copy_operand<T> as_operand(std::vector<T, Allocator>& v) noexcept { return {v.data(), v.size(), memory_side::host}; }
+template <class T, class Allocator>
+copy_operand<const T> as_operand(const std::vector<T, Allocator>& v) noexcept { return {v.data(), v.size(), memory_side::host}; }
+template <class T, std::size_t N>
+copy_operand<T> as_operand(std::array<T, N>& a) noexcept { return {a.data(), a.size(), memory_side::host}; }
+template <class T, std::size_t N>
+copy_operand<const T> as_operand(const std::array<T, N>& a) noexcept { return {a.data(), a.size(), memory_side::host}; }
+
+template <class X>
+concept copyable_operand = requires(X& x) { as_operand(x); };
+
+template <class X>
+using operand_element = std::remove_pointer_t<decltype(as_operand(std::declval<X&>()).data)>;
+
+constexpr const char* side_name(memory_side side) noexcept {
+  return side == memory_side::device ? "device" : "host";
+}
+
+}  // namespace detail
+
+/// Copies `src` into `dst` in stream order on `stream`; see the contract above.
+template <class Dst, class Src>
+  requires detail::copyable_operand<std::remove_reference_t<Dst>> &&
+           detail::copyable_operand<std::remove_reference_t<Src>>
+void copy(Dst&& dst, Src&& src, stream_view stream) {
+  using to_element = detail::operand_element<std::remove_reference_t<Dst>>;
+  using from_element = detail::operand_element<std::remove_reference_t<Src>>;
+  static_assert(!std::is_const_v<to_element>,
+                "cudamem::copy: the destination is read-only (const elements or a const object)");
+  static_assert(std::is_same_v<to_element, std::remove_const_t<from_element>>,
+                "cudamem::copy: source and destination must have the same element type");
+  const auto to = detail::as_operand(dst);
+  const auto from = detail::as_operand(src);
+  if (to.size != from.size) {
+    throw std::invalid_argument("cudamem::copy: the " + std::string(detail::side_name(to.side)) +
+                                " destination has " + std::to_string(to.size) + " elements, the " +
+                                detail::side_name(from.side) + " source has " +
+                                std::to_string(from.size));
+  }
+  detail::copy_bytes(to.data, from.data, to.size * sizeof(to_element), stream);
+}
+
+/// Sets every element of `dst` to `value`; see the contract above.
+template <class Dst>
+  requires detail::copyable_operand<std::remove_reference_t<Dst>>
+void fill(Dst&& dst, const detail::operand_element<std::remove_reference_t<Dst>>& value,
+          stream_view stream) {
+  using element = detail::operand_element<std::remove_reference_t<Dst>>;
+  static_assert(!std::is_const_v<element>, "cudamem::fill: the destination is read-only");
+  const auto to = detail::as_operand(dst);
+  if (to.size == 0) {
+    return;
+  }
+  if (to.side == detail::memory_side::device) {
+    detail::fill_bytes(to.data, to.size, &value, sizeof(element), stream);
+  } else {
+    stream.synchronize();
+    std::fill(to.data, to.data + to.size, value);
+  }
+}
+
+/// Sets every byte of `dst` to zero; see the contract above.
+template <class Dst>
+  requires detail::copyable_operand<std::remove_reference_t<Dst>>
+void fill_zero(Dst&& dst, stream_view stream) {
+  using element = detail::operand_element<std::remove_reference_t<Dst>>;
+  static_assert(!std::is_const_v<element>, "cudamem::fill_zero: the destination is read-only");
+  const auto to = detail::as_operand(dst);
+  if (to.size == 0) {
+    return;
+  }
+  if (to.side == detail::memory_side::device) {
+    check(cudaMemsetAsync(to.data, 0, to.size * sizeof(element), stream.get()), "cudaMemsetAsync");
+  } else {
+    stream.synchronize();
+    std::memset(static_cast<void*>(to.data), 0, to.size * sizeof(element));
+  }
+}
+
+}  // namespace cudamem

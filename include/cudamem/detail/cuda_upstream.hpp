@@ -1,0 +1,133 @@
+// cudamem/detail/cuda_upstream.hpp — what the resources that call CUDA directly
+// (device_resource, async_resource, pinned_resource, managed_resource) have in common:
+// resolving their device, counting bytes, turning a failed CUDA allocation into
+// `out_of_memory`, and switching device inside noexcept frees.
+#pragma once
+
+#include <cudamem/device.hpp>
+#include <cudamem/error.hpp>
+#include <cudamem/memory_resource.hpp>
+#include <cudamem/out_of_memory.hpp>
+#include <cudamem/stream.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+namespace cudamem::detail {
+
+/// -1 means "the current device"; anything else is validated (no_device_error with no GPU,
+/// std::out_of_range for an id that does not exist).
+[[nodiscard]] inline int resolve_device(int requested) {
+  const int device = requested < 0 ? current_device() : requested;
+  validate_device(device);
+  return device;
+}
+
+/// CUDA's allocators promise 256-byte alignment and no more; a larger request is refused
+/// rather than silently under-aligned. (Pools and arenas on top can give more.)
+inline void check_cuda_alignment(std::string_view resource, std::size_t alignment) {
+  if (alignment > default_alignment) {
+    throw std::invalid_argument("cudamem: " + std::string(resource) + " supports alignments up to " +
+                                std::to_string(default_alignment) + " bytes (what CUDA's allocators "
+                                "guarantee); " + std::to_string(alignment) + " was asked");
+  }
+}
+
+/// After a CUDA allocation call: success returns; cudaErrorMemoryAllocation throws
+/// out_of_memory whose cause names the call; anything else throws cuda_error (no_device_error
+/// for "no device").
+inline void throw_if_allocation_failed(cudaError_t code, const memory_resource& resource,
+                                       std::size_t bytes, std::size_t alignment,
+                                       std::string_view call) {
+  if (code == cudaSuccess) [[likely]] {
+    return;
+  }
+  if (code == cudaErrorMemoryAllocation) {
+    static_cast<void>(cudaGetLastError());  // not sticky: later calls must not see it again
+    throw_out_of_memory(resource, bytes, alignment,
+                        std::string(call) + " returned cudaErrorMemoryAllocation (" +
+                            cudaGetErrorString(code) + ")");
+  }
+  check(code, call);
+}
+
+/// Bytes handed out and not yet returned, and the most there ever were. Lock-free.
+class usage_counter {
+ public:
+  void add(std::size_t bytes) noexcept {
+    const std::size_t now = used_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+    std::size_t peak = peak_.load(std::memory_order_relaxed);
+    while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
+    }
+  }
+  void subtract(std::size_t bytes) noexcept { used_.fetch_sub(bytes, std::memory_order_relaxed); }
+  [[nodiscard]] std::size_t used() const noexcept { return used_.load(std::memory_order_relaxed); }
+  [[nodiscard]] std::size_t peak() const noexcept { return peak_.load(std::memory_order_relaxed); }
+
+  /// reserved == used: leaf resources hold exactly what they handed out.
+  [[nodiscard]] resource_stats leaf_stats() const noexcept {
+    resource_stats s;
+    s.used_bytes = s.reserved_bytes = used();
+    s.peak_used_bytes = peak();
+    return s;
+  }
+
+ private:
+  std::atomic<std::size_t> used_{0};
+  std::atomic<std::size_t> peak_{0};
+};
+
+/// device_guard for noexcept paths (frees): a failure to switch is reported, not thrown, and
+/// `ok()` says whether the device is the wanted one.
+class quiet_device_scope {
+ public:
+  quiet_device_scope(int device, std::string_view who) noexcept {
+    if (!report(cudaGetDevice(&previous_), who)) {
+      return;
+    }
+    if (previous_ == device) {
+      ok_ = true;
+      return;
+    }
+    ok_ = report(cudaSetDevice(device), who);
+    changed_ = ok_;
+  }
+  ~quiet_device_scope() {
+    if (changed_) {
+      report_error(cudaSetDevice(previous_), "cudamem: restoring the device after a free");
+    }
+  }
+  quiet_device_scope(const quiet_device_scope&) = delete;
+  quiet_device_scope& operator=(const quiet_device_scope&) = delete;
+
+  [[nodiscard]] bool ok() const noexcept { return ok_; }
+
+ private:
+  static bool report(cudaError_t code, std::string_view who) noexcept {
+    if (code != cudaSuccess) {
+      report_error(code, who);
+      return false;
+    }
+    return true;
+  }
+  int previous_ = -1;
+  bool ok_ = false;
+  bool changed_ = false;
+};
+
+/// Waits for the work submitted to `stream` so far; reports (does not throw) a failure. Used
+/// before the synchronous frees (cudaFree, cudaFreeHost) when the caller gave a stream: the
+/// memory's last use is on that stream and must be finished before the memory goes back.
+inline void wait_for_stream_before_free(stream_view stream, std::string_view who) noexcept {
+  const cudaError_t code = cudaStreamSynchronize(stream.get());
+  if (code != cudaSuccess) {
+    report_error(code, who);
+  }
+}
+
+}  // namespace cudamem::detail

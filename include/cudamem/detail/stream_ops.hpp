@@ -1,0 +1,74 @@
+// cudamem/detail/stream_ops.hpp — the few CUDA operations the typed owners and copy.hpp
+// build on: ordering one stream after another, copying bytes, and filling with a value
+// without a kernel (so that every header compiles with a plain C++ compiler).
+#pragma once
+
+#include <cudamem/error.hpp>
+#include <cudamem/stream.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+
+namespace cudamem::detail {
+
+/// Makes work submitted to `later` from now on wait for the work submitted to `earlier` so
+/// far, without blocking the host (an event recorded on one, waited on by the other). Nothing
+/// when they are the same stream: stream order already does it.
+inline void order_after(stream_view later, stream_view earlier) {
+  if (later == earlier) {
+    return;
+  }
+  cudaEvent_t marker = nullptr;
+  check(cudaEventCreateWithFlags(&marker, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  const cudaError_t recorded = cudaEventRecord(marker, earlier.get());
+  const cudaError_t waited =
+      recorded == cudaSuccess ? cudaStreamWaitEvent(later.get(), marker, 0) : recorded;
+  // Destroying right away is allowed: the wait already enqueued keeps what it needs.
+  report_error(cudaEventDestroy(marker), "cudaEventDestroy");
+  check(waited, "ordering one stream after another (cudaEventRecord / cudaStreamWaitEvent)");
+}
+
+/// Stream-ordered copy of `bytes`; the direction comes from the pointers (unified addressing).
+inline void copy_bytes(void* dst, const void* src, std::size_t bytes, stream_view stream) {
+  if (bytes == 0) {
+    return;
+  }
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream.get()), "cudaMemcpyAsync");
+}
+
+/// True when every byte of `value` is the same, so cudaMemsetAsync can write it.
+inline bool single_byte_pattern(const void* value, std::size_t size, unsigned char& byte) noexcept {
+  const auto* bytes = static_cast<const unsigned char*>(value);
+  byte = bytes[0];
+  return std::all_of(bytes, bytes + size, [b = byte](unsigned char c) { return c == b; });
+}
+
+/// Stream-ordered fill of `count` copies of the `size`-byte `value` at device-accessible
+/// `dst`. A single repeated byte (zero, all-ones) is one cudaMemsetAsync. Anything else is
+/// written once, then doubled: copy [0, k) to [k, 2k) until full — about log2(count) copies
+/// moving `count` elements in total, at copy bandwidth, with no kernel needed. `value` may be
+/// a host temporary: CUDA stages a pageable source before cudaMemcpyAsync returns.
+inline void fill_bytes(void* dst, std::size_t count, const void* value, std::size_t size,
+                       stream_view stream) {
+  if (count == 0) {
+    return;
+  }
+  unsigned char byte = 0;
+  if (single_byte_pattern(value, size, byte)) {
+    check(cudaMemsetAsync(dst, byte, count * size, stream.get()), "cudaMemsetAsync");
+    return;
+  }
+  auto* out = static_cast<unsigned char*>(dst);
+  copy_bytes(out, value, size, stream);
+  std::size_t filled = 1;
+  while (filled < count) {
+    const std::size_t chunk = std::min(filled, count - filled);
+    copy_bytes(out + filled * size, out, chunk * size, stream);
+    filled += chunk;
+  }
+}
+
+}  // namespace cudamem::detail
