@@ -2,6 +2,7 @@
 // (they compile faster); this is for applications and examples.
 #pragma once
 
+#include <cudamem/arena_resource.hpp>
 #include <cudamem/async_resource.hpp>
 #include <cudamem/context.hpp>
 #include <cudamem/copy.hpp>
@@ -26,11 +27,14 @@
 #include <cudamem/pinned_buffer.hpp>
 #include <cudamem/pinned_resource.hpp>
 #include <cudamem/pmr_resource.hpp>
+#include <cudamem/pool_resource.hpp>
 #include <cudamem/primary_context.hpp>
 #include <cudamem/retry_adaptor.hpp>
+#include <cudamem/simulated_resource.hpp>
 #include <cudamem/statistics_adaptor.hpp>
 #include <cudamem/stream.hpp>
 #include <cudamem/sync_guard.hpp>
+#include <cudamem/trace_export.hpp>
 #include <cudamem/tracking_adaptor.hpp>
 #include <cudamem/version.hpp>
 #include <cudamem/vm_pool_resource.hpp>

@@ -1,0 +1,230 @@
+// cudamem/detail/vm_driver_mapping.hpp — the real mapping layer under vm_pool_resource: CUDA's
+// virtual memory management, through the driver table in driver.hpp (no libcuda link).
+//
+//   cudamem::detail::driver_vm_mapping layer{0, {1}};   // device 0, readable by device 1 too
+//   std::uintptr_t va = layer.reserve(1ull << 30);
+//   auto h = layer.create(2ull << 20);                  // nullopt: the device is full
+//   layer.map(va, 2ull << 20, *h);
+//   layer.set_access(va, 2ull << 20);                   // now kernels may touch it
+//
+// The contract is vm_mapping.hpp's. Specific to the driver:
+// - Construction throws `no_device_error` with no device, `std::out_of_range` for a device or
+//   peer id that does not exist, `vm_not_supported_error` on a device without virtual memory
+//   management (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 0), and
+//   `std::invalid_argument` for a peer that cannot access the device.
+// - Physical memory is pinned device memory on the layer's device (CU_MEM_ALLOCATION_TYPE_PINNED);
+//   access is granted read-write to the device and every peer, in one cuMemSetAccess per call.
+// - Costs measured on an H100 (driver 580): cuMemAddressReserve of 158 GiB 22 µs, cuMemCreate
+//   10-18 µs, cuMemMap ~1 µs, cuMemSetAccess 25-47 µs, cuMemUnmap 17-31 µs, cuMemRelease
+//   11-250 µs. The pool is designed so that none of them is on the per-operation path.
+// - Ordering uses one event per stream (cudaEventDisableTiming), re-recorded at every free on
+//   that stream, as other stream-ordered pools do: waiting for it waits for that free and for
+//   anything submitted to the stream before the latest free (never less than needed).
+#pragma once
+
+#include <cudamem/detail/driver.hpp>
+#include <cudamem/detail/vm_mapping.hpp>
+#include <cudamem/device.hpp>
+#include <cudamem/error.hpp>
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace cudamem {
+
+/// The device cannot back a virtual-memory pool (no VMM support: some older GPUs, some vGPU
+/// and WSL set-ups). Use pool_resource over device memory there instead.
+class vm_not_supported_error : public cuda_error {
+ public:
+  explicit vm_not_supported_error(int device,
+                                  std::source_location where = std::source_location::current())
+      : cuda_error(cudaErrorNotSupported,
+                   "device " + std::to_string(device) +
+                       " does not support CUDA virtual memory management "
+                       "(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0): use "
+                       "pool_resource instead of vm_pool_resource",
+                   where),
+        device_(device) {}
+  [[nodiscard]] int device() const noexcept { return device_; }
+
+ private:
+  int device_;
+};
+
+namespace detail {
+
+/// The real mapping layer; see the contracts above and in vm_mapping.hpp.
+class driver_vm_mapping final : public vm_mapping_layer {
+ public:
+  explicit driver_vm_mapping(int device, std::vector<int> peers = {},
+                             std::source_location where = std::source_location::current())
+      : device_(device), peers_(std::move(peers)) {
+    validate_device(device, where);
+    const driver_api& cu = driver(where);
+    const device_guard on{device};  // the primary context must exist for the cuMem* calls
+    check(cudaFree(nullptr), "creating the primary context");
+    check_driver(cu.device_get(&cu_device_, device), "cuDeviceGet", where);
+    int supported = 0;
+    check_driver(cu.device_get_attribute(
+                     &supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                     cu_device_),
+                 "cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)", where);
+    if (supported == 0) {
+      throw vm_not_supported_error(device, where);
+    }
+    for (const int peer : peers_) {
+      validate_device(peer, where);
+      if (peer == device) {
+        throw std::invalid_argument("cudamem::vm_pool_resource: device " +
+                                    std::to_string(peer) + " is the pool's own device, not a peer");
+      }
+      int can_access = 0;
+      check(cudaDeviceCanAccessPeer(&can_access, peer, device), "cudaDeviceCanAccessPeer");
+      if (can_access == 0) {
+        throw std::invalid_argument("cudamem::vm_pool_resource: device " + std::to_string(peer) +
+                                    " cannot access device " + std::to_string(device) +
+                                    " (no peer access between them)");
+      }
+    }
+    properties_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    properties_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    properties_.location.id = cu_device_;
+    properties_.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+    check_driver(cu.mem_get_allocation_granularity(&granularity_, &properties_,
+                                                   CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+                 "cuMemGetAllocationGranularity", where);
+    device_total_ = device_memory(device).total;
+    access_.push_back(read_write_on(device));
+    for (const int peer : peers_) {
+      access_.push_back(read_write_on(peer));
+    }
+  }
+
+  ~driver_vm_mapping() override {
+    for (const auto& [stream, ev] : events_) {
+      report_error(cudaEventDestroy(ev), "vm_pool_resource: cudaEventDestroy");
+    }
+  }
+
+  [[nodiscard]] int device() const noexcept override { return device_; }
+  [[nodiscard]] std::size_t granularity() const noexcept override { return granularity_; }
+  [[nodiscard]] std::size_t device_total() const noexcept override { return device_total_; }
+
+  [[nodiscard]] std::uintptr_t reserve(std::size_t bytes) override {
+    CUdeviceptr base = 0;
+    check_driver(driver().mem_address_reserve(&base, bytes, granularity_, 0, 0),
+                 "cuMemAddressReserve of " + std::to_string(bytes) + " bytes");
+    return static_cast<std::uintptr_t>(base);
+  }
+
+  void free_reservation(std::uintptr_t base, std::size_t bytes) noexcept override {
+    report_driver_error(driver().mem_address_free(static_cast<CUdeviceptr>(base), bytes),
+                        "vm_pool_resource: cuMemAddressFree");
+  }
+
+  [[nodiscard]] std::optional<vm_handle> create(std::size_t bytes) override {
+    CUmemGenericAllocationHandle handle = 0;
+    const CUresult result = driver().mem_create(&handle, bytes, &properties_, 0);
+    if (result == CUDA_ERROR_OUT_OF_MEMORY) {
+      return std::nullopt;
+    }
+    check_driver(result, "cuMemCreate of " + std::to_string(bytes) + " bytes");
+    return static_cast<vm_handle>(handle);
+  }
+
+  void release(vm_handle handle) noexcept override {
+    report_driver_error(driver().mem_release(static_cast<CUmemGenericAllocationHandle>(handle)),
+                        "vm_pool_resource: cuMemRelease");
+  }
+
+  void map(std::uintptr_t va, std::size_t bytes, vm_handle handle) override {
+    check_driver(driver().mem_map(static_cast<CUdeviceptr>(va), bytes, 0,
+                                  static_cast<CUmemGenericAllocationHandle>(handle), 0),
+                 "cuMemMap");
+  }
+
+  void unmap(std::uintptr_t va, std::size_t bytes) noexcept override {
+    report_driver_error(driver().mem_unmap(static_cast<CUdeviceptr>(va), bytes),
+                        "vm_pool_resource: cuMemUnmap");
+  }
+
+  void set_access(std::uintptr_t va, std::size_t bytes) override {
+    check_driver(driver().mem_set_access(static_cast<CUdeviceptr>(va), bytes, access_.data(),
+                                         access_.size()),
+                 "cuMemSetAccess");
+  }
+
+  void record_free(cudaStream_t stream) override {
+    const cudaEvent_t ev = event_for(stream);
+    if (is_default_stream(stream)) {
+      // The legacy and per-thread streams are the *current* device's: make ours current.
+      const device_guard on{device_};
+      check(cudaEventRecord(ev, stream), "vm_pool_resource: cudaEventRecord");
+    } else {
+      check(cudaEventRecord(ev, stream), "vm_pool_resource: cudaEventRecord");
+    }
+  }
+
+  void order_after_free(cudaStream_t user, cudaStream_t freed_on) override {
+    const device_guard on{device_};
+    check(cudaStreamWaitEvent(user, event_for(freed_on), 0), "vm_pool_resource: cudaStreamWaitEvent");
+  }
+
+  void wait_for_free(cudaStream_t freed_on) override {
+    check(cudaEventSynchronize(event_for(freed_on)), "vm_pool_resource: cudaEventSynchronize");
+  }
+
+  void wait_for_all_frees() noexcept override {
+    for (const auto& [stream, ev] : events_) {
+      report_error(cudaEventSynchronize(ev), "vm_pool_resource: cudaEventSynchronize");
+    }
+  }
+
+ private:
+  static bool is_default_stream(cudaStream_t s) noexcept {
+    return s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread;
+  }
+
+  static CUmemAccessDesc read_write_on(int device) {
+    CUmemAccessDesc desc{};
+    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    desc.location.id = device;  // runtime and driver ordinals agree (both honour VISIBLE_DEVICES)
+    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    return desc;
+  }
+
+  /// This stream's event, created on first use. A flat list: a pool sees a handful of streams.
+  cudaEvent_t event_for(cudaStream_t stream) {
+    for (const auto& [s, ev] : events_) {
+      if (s == stream) {
+        return ev;
+      }
+    }
+    const device_guard on{device_};
+    events_.reserve(events_.size() + 1);  // so the push below cannot throw and leak the event
+    cudaEvent_t ev = nullptr;
+    check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "vm_pool_resource: cudaEventCreate");
+    events_.emplace_back(stream, ev);
+    return ev;
+  }
+
+  int device_;
+  std::vector<int> peers_;
+  CUdevice cu_device_ = 0;
+  CUmemAllocationProp properties_{};
+  std::size_t granularity_ = 0;
+  std::size_t device_total_ = 0;
+  std::vector<CUmemAccessDesc> access_;
+  std::vector<std::pair<cudaStream_t, cudaEvent_t>> events_;
+};
+
+}  // namespace detail
+}  // namespace cudamem

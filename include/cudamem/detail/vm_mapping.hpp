@@ -1,0 +1,337 @@
+// cudamem/detail/vm_mapping.hpp — the mapping layer under vm_pool_resource: everything that
+// touches the device (address space, physical memory, page mappings, access rights, and the
+// events that order reuse), behind one small interface with two implementations:
+//
+//   driver_vm_mapping     (vm_driver_mapping.hpp) the real thing: cuMemAddressReserve,
+//                         cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease,
+//                         and CUDA events.
+//   simulated_vm_mapping  (here) host bookkeeping only: fake addresses, a byte budget for
+//                         "physical memory", and checks that every call is legal. The pool's
+//                         granule and handle bookkeeping runs on it in CI, with no GPU.
+//
+//   auto layer = std::make_unique<cudamem::detail::simulated_vm_mapping>(
+//       cudamem::detail::simulated_vm_options{.capacity = 80ull << 30});
+//   cudamem::vm_pool_resource pool{std::move(layer)};
+//
+// Contract (what vm_pool_resource relies on; both implementations keep it)
+// - Addresses are plain integers (std::uintptr_t); the layer never dereferences them.
+// - `reserve(bytes)` returns a granule-aligned range of address space with nothing behind it,
+//   or throws. `free_reservation` gives it back; everything in it must be unmapped first.
+// - `create(bytes)` makes a physical allocation (a "handle") of `bytes`, a multiple of the
+//   granularity. It returns nullopt when the device is out of memory (a normal answer the
+//   pool acts on) and throws for any other failure.
+// - `map(va, bytes, h)` maps the whole handle at `va`. A handle may be mapped at several
+//   addresses at once (the pool keeps a stale alias rather than pay for an unmap at once).
+//   `unmap(va, bytes)` undoes exactly one earlier `map`. `release(h)` drops the handle; its
+//   memory goes back to the device once its last mapping is gone.
+// - `set_access(va, bytes)` makes a range of fresh mappings readable and writable by the
+//   layer's device and its peers. A range may cover several adjacent mappings: the pool
+//   calls it once per batch, because it is the expensive call.
+// - Ordering: `record_free(s)` notes that a block's last use was submitted to `s`;
+//   `order_after_free(user, freed_on)` makes later work on `user` wait for the last free
+//   recorded on `freed_on` (no host wait); `wait_for_free(freed_on)` blocks the host until it
+//   has finished; `wait_for_all_frees()` does so for every stream seen. Events belong to the
+//   layer, so a stream may be destroyed after freeing on it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
+#include <map>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace cudamem::detail {
+
+/// An opaque physical allocation (a CUmemGenericAllocationHandle for the driver).
+using vm_handle = unsigned long long;
+
+/// What the pool needs from the device; see the contract above.
+class vm_mapping_layer {
+ public:
+  virtual ~vm_mapping_layer() = default;
+  vm_mapping_layer(const vm_mapping_layer&) = delete;
+  vm_mapping_layer& operator=(const vm_mapping_layer&) = delete;
+
+  /// The device the memory lives on; -1 for a simulated one.
+  [[nodiscard]] virtual int device() const noexcept = 0;
+  /// The mapping granularity (2 MiB on current GPUs): sizes and addresses are multiples.
+  [[nodiscard]] virtual std::size_t granularity() const noexcept = 0;
+  /// The device's whole memory (reports, and the default reservation size).
+  [[nodiscard]] virtual std::size_t device_total() const noexcept = 0;
+  /// A simulated device's capacity (memory_report uses it as the device); nullopt for real.
+  [[nodiscard]] virtual std::optional<std::size_t> simulated_capacity() const noexcept {
+    return std::nullopt;
+  }
+
+  [[nodiscard]] virtual std::uintptr_t reserve(std::size_t bytes) = 0;
+  virtual void free_reservation(std::uintptr_t base, std::size_t bytes) noexcept = 0;
+  [[nodiscard]] virtual std::optional<vm_handle> create(std::size_t bytes) = 0;
+  virtual void release(vm_handle handle) noexcept = 0;
+  virtual void map(std::uintptr_t va, std::size_t bytes, vm_handle handle) = 0;
+  virtual void unmap(std::uintptr_t va, std::size_t bytes) noexcept = 0;
+  virtual void set_access(std::uintptr_t va, std::size_t bytes) = 0;
+
+  virtual void record_free(cudaStream_t stream) = 0;
+  virtual void order_after_free(cudaStream_t user, cudaStream_t freed_on) = 0;
+  virtual void wait_for_free(cudaStream_t freed_on) = 0;
+  virtual void wait_for_all_frees() noexcept = 0;
+
+ protected:
+  vm_mapping_layer() = default;
+};
+
+/// What a simulated layer held when it was destroyed (tests check that its owner gave
+/// everything back).
+struct simulated_vm_final_state {
+  bool destroyed = false;
+  std::size_t physical_in_use = 0;
+  std::size_t mappings = 0;
+  std::size_t reservations = 0;
+  std::size_t violations = 0;
+};
+
+/// How to build a simulated mapping layer.
+struct simulated_vm_options {
+  std::size_t capacity = std::size_t{80} << 30;    ///< "physical" bytes the device has
+  std::size_t granularity = std::size_t{2} << 20;  ///< must be a power of two
+  simulated_vm_final_state* final_state = nullptr;  ///< written at destruction when set
+};
+
+/// Host bookkeeping only: the device is a byte budget, addresses are numbers. Every call is
+/// checked against the rules the driver enforces (a violation throws std::logic_error, or is
+/// counted in `violations` where the call is noexcept), so tests catch pool bugs that the
+/// real driver would catch, plus a few it would not (a handle released twice, a leak).
+class simulated_vm_mapping final : public vm_mapping_layer {
+ public:
+  explicit simulated_vm_mapping(simulated_vm_options options = {}) : options_(options) {
+    if (options_.granularity == 0 || (options_.granularity & (options_.granularity - 1)) != 0) {
+      throw std::invalid_argument("simulated_vm_mapping: granularity must be a power of two");
+    }
+  }
+
+  ~simulated_vm_mapping() override {
+    if (options_.final_state != nullptr) {
+      *options_.final_state = {true, physical_in_use_, mappings_.size(),
+                               reservations_.size(), violations};
+    }
+  }
+
+  // --- what tests read ----------------------------------------------------------------------
+  struct call_counts {
+    std::size_t reserve = 0, free_reservation = 0, create = 0, release = 0, map = 0, unmap = 0,
+                set_access = 0, record_free = 0, order_after_free = 0, wait_for_free = 0,
+                wait_for_all_frees = 0;
+  };
+  call_counts calls;
+  std::size_t violations = 0;  ///< illegal noexcept calls (unmap of no mapping, double release)
+
+  /// Physical bytes created and not yet given back (released and unmapped everywhere).
+  [[nodiscard]] std::size_t physical_in_use() const noexcept { return physical_in_use_; }
+  [[nodiscard]] std::size_t reserved_bytes() const noexcept {
+    std::size_t total = 0;
+    for (const auto& [base, bytes] : reservations_) {
+      total += bytes;
+    }
+    return total;
+  }
+  [[nodiscard]] std::size_t mapping_count() const noexcept { return mappings_.size(); }
+  [[nodiscard]] std::size_t live_handle_count() const noexcept { return handles_.size(); }
+
+  /// True when every byte of [va, va + bytes) is mapped and has had access set.
+  [[nodiscard]] bool is_accessible(std::uintptr_t va, std::size_t bytes) const {
+    std::uintptr_t at = va;
+    const std::uintptr_t end = va + bytes;
+    while (at < end) {
+      auto it = mappings_.upper_bound(at);
+      if (it == mappings_.begin()) {
+        return false;
+      }
+      --it;
+      const std::uintptr_t map_end = it->first + it->second.bytes;
+      if (map_end <= at || !it->second.accessible) {
+        return false;
+      }
+      at = map_end;
+    }
+    return true;
+  }
+
+  /// The handle mapped at `va` (tests use it to see that memory moved, not copied).
+  [[nodiscard]] std::optional<vm_handle> handle_at(std::uintptr_t va) const {
+    auto it = mappings_.upper_bound(va);
+    if (it == mappings_.begin()) {
+      return std::nullopt;
+    }
+    --it;
+    if (va >= it->first + it->second.bytes) {
+      return std::nullopt;
+    }
+    return it->second.handle;
+  }
+
+  /// Makes the next `count` calls to create() answer "out of memory" (tests of the fallback).
+  void fail_next_creates(std::size_t count) noexcept { failing_creates_ = count; }
+
+  // --- the layer ----------------------------------------------------------------------------
+  [[nodiscard]] int device() const noexcept override { return -1; }
+  [[nodiscard]] std::size_t granularity() const noexcept override { return options_.granularity; }
+  [[nodiscard]] std::size_t device_total() const noexcept override { return options_.capacity; }
+  [[nodiscard]] std::optional<std::size_t> simulated_capacity() const noexcept override {
+    return options_.capacity;
+  }
+
+  [[nodiscard]] std::uintptr_t reserve(std::size_t bytes) override {
+    ++calls.reserve;
+    require(bytes > 0 && bytes % options_.granularity == 0, "reserve: size not granular");
+    const std::uintptr_t base = next_address_;
+    next_address_ += bytes + options_.granularity;  // a gap: adjacent reservations never touch
+    reservations_.emplace(base, bytes);
+    return base;
+  }
+
+  void free_reservation(std::uintptr_t base, std::size_t bytes) noexcept override {
+    ++calls.free_reservation;
+    const auto it = reservations_.find(base);
+    if (it == reservations_.end() || it->second != bytes) {
+      ++violations;
+      return;
+    }
+    const auto inside = mappings_.lower_bound(base);
+    if (inside != mappings_.end() && inside->first < base + bytes) {
+      ++violations;  // the driver refuses to free address space that is still mapped
+      return;
+    }
+    reservations_.erase(it);
+  }
+
+  [[nodiscard]] std::optional<vm_handle> create(std::size_t bytes) override {
+    ++calls.create;
+    require(bytes > 0 && bytes % options_.granularity == 0, "create: size not granular");
+    if (failing_creates_ > 0) {
+      --failing_creates_;
+      return std::nullopt;
+    }
+    if (physical_in_use_ + bytes > options_.capacity) {
+      return std::nullopt;
+    }
+    physical_in_use_ += bytes;
+    const vm_handle h = next_handle_++;
+    handles_.emplace(h, handle_state{bytes, 0, false});
+    return h;
+  }
+
+  void release(vm_handle handle) noexcept override {
+    ++calls.release;
+    const auto it = handles_.find(handle);
+    if (it == handles_.end() || it->second.released) {
+      ++violations;
+      return;
+    }
+    it->second.released = true;
+    forget_if_unused(it);
+  }
+
+  void map(std::uintptr_t va, std::size_t bytes, vm_handle handle) override {
+    ++calls.map;
+    const auto h = handles_.find(handle);
+    require(h != handles_.end() && !h->second.released, "map: unknown or released handle");
+    require(h->second.bytes == bytes, "map: size differs from the handle's");
+    require(va % options_.granularity == 0, "map: address not granular");
+    require(inside_reservation(va, bytes), "map: range not inside one reservation");
+    const auto next = mappings_.lower_bound(va);
+    require(next == mappings_.end() || next->first >= va + bytes, "map: overlaps a mapping");
+    if (next != mappings_.begin()) {
+      const auto prev = std::prev(next);
+      require(prev->first + prev->second.bytes <= va, "map: overlaps a mapping");
+    }
+    mappings_.emplace(va, mapping_state{bytes, handle, false});
+    ++h->second.mappings;
+  }
+
+  void unmap(std::uintptr_t va, std::size_t bytes) noexcept override {
+    ++calls.unmap;
+    const auto it = mappings_.find(va);
+    if (it == mappings_.end() || it->second.bytes != bytes) {
+      ++violations;
+      return;
+    }
+    const auto h = handles_.find(it->second.handle);
+    mappings_.erase(it);
+    if (h != handles_.end()) {
+      --h->second.mappings;
+      forget_if_unused(h);
+    }
+  }
+
+  void set_access(std::uintptr_t va, std::size_t bytes) override {
+    ++calls.set_access;
+    // Like the driver: the whole range must be mapped (possibly by several mappings).
+    std::uintptr_t at = va;
+    const std::uintptr_t end = va + bytes;
+    while (at < end) {
+      const auto it = mappings_.find(at);
+      require(it != mappings_.end(), "set_access: range not wholly mapped");
+      it->second.accessible = true;
+      at += it->second.bytes;
+    }
+    require(at == end, "set_access: range ends inside a mapping");
+  }
+
+  void record_free(cudaStream_t /*stream*/) override { ++calls.record_free; }
+  void order_after_free(cudaStream_t /*user*/, cudaStream_t /*freed_on*/) override {
+    ++calls.order_after_free;
+  }
+  void wait_for_free(cudaStream_t /*freed_on*/) override { ++calls.wait_for_free; }
+  void wait_for_all_frees() noexcept override { ++calls.wait_for_all_frees; }
+
+ private:
+  struct handle_state {
+    std::size_t bytes;
+    std::size_t mappings;
+    bool released;
+  };
+  struct mapping_state {
+    std::size_t bytes;
+    vm_handle handle;
+    bool accessible;
+  };
+
+  static void require(bool ok, const char* what) {
+    if (!ok) {
+      throw std::logic_error(std::string("simulated_vm_mapping: ") + what);
+    }
+  }
+
+  [[nodiscard]] bool inside_reservation(std::uintptr_t va, std::size_t bytes) const {
+    auto it = reservations_.upper_bound(va);
+    if (it == reservations_.begin()) {
+      return false;
+    }
+    --it;
+    return va + bytes <= it->first + it->second;
+  }
+
+  void forget_if_unused(std::map<vm_handle, handle_state>::iterator it) noexcept {
+    if (it->second.released && it->second.mappings == 0) {
+      physical_in_use_ -= it->second.bytes;
+      handles_.erase(it);
+    }
+  }
+
+  simulated_vm_options options_;
+  std::uintptr_t next_address_ = std::uintptr_t{1} << 40;
+  vm_handle next_handle_ = 1;
+  std::size_t physical_in_use_ = 0;
+  std::size_t failing_creates_ = 0;
+  std::map<std::uintptr_t, std::size_t> reservations_;
+  std::map<std::uintptr_t, mapping_state> mappings_;
+  std::map<vm_handle, handle_state> handles_;
+};
+
+}  // namespace cudamem::detail
