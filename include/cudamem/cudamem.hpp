@@ -27,8 +27,10 @@
 #include <cudamem/pinned_buffer.hpp>
 #include <cudamem/pinned_resource.hpp>
 #include <cudamem/pmr_resource.hpp>
+#include <cudamem/pool_resource.hpp>
 #include <cudamem/primary_context.hpp>
 #include <cudamem/retry_adaptor.hpp>
+#include <cudamem/simulated_resource.hpp>
 #include <cudamem/statistics_adaptor.hpp>
 #include <cudamem/stream.hpp>
 #include <cudamem/sync_guard.hpp>

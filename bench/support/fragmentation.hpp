@@ -1,0 +1,163 @@
+// bench/support/fragmentation.hpp — two fragmentation experiments, written against two
+// callables so the same code measures a pool, a peer, a simulated device or a real one:
+//   alloc(bytes) -> void*   (nullptr when the allocator fails; it must not throw)
+//   release(void*, bytes)
+//
+// swiss_cheese: fill with `small` blocks until the first failure, free every other one, then
+//   allocate `large` blocks until failure. Result: bytes obtained / bytes freed. An allocator
+//   that cannot put two freed neighbours' worth of memory back together scores 0; one whose
+//   free memory is always usable scores ~1.
+// mixed: seeds 001/004 in miniature — each step allocates one large, short-lived block
+//   (log-uniform in [large_min, large_max]; only the last `large_window` stay alive) and a few
+//   small, long-lived ones (log-uniform in [small_min, small_max]) that accumulate, like a
+//   training loop whose activations come and go between parameters, caches and logs that stay.
+//   It runs to the first failure. Result: live bytes at the failure / `start_free`. A
+//   first-fit allocator puts the small blocks in the holes the large ones leave and soon has
+//   no hole large enough; a pool that keeps small and large blocks apart lasts longer.
+// Both free everything they allocated before returning.
+#pragma once
+
+#include "traces.hpp"
+
+#include <chrono>
+#include <cstddef>
+#include <deque>
+#include <utility>
+#include <vector>
+
+namespace cudamem_bench {
+
+struct fragmentation_result {
+  double ratio = 0;            ///< the experiment's figure (see above)
+  std::size_t numerator = 0;   ///< bytes obtained (swiss cheese) / live at failure (mixed)
+  std::size_t denominator = 0; ///< bytes freed (swiss cheese) / free memory at the start
+  std::size_t ops = 0;         ///< allocations and frees made
+  double ns_per_op = 0;
+};
+
+template <class Alloc, class Free>
+fragmentation_result swiss_cheese(Alloc&& alloc, Free&& release, std::size_t small,
+                                  std::size_t large, std::size_t max_blocks = 1 << 20) {
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  fragmentation_result r;
+  std::vector<void*> smalls;
+  while (smalls.size() < max_blocks) {
+    void* p = alloc(small);
+    ++r.ops;
+    if (p == nullptr) {
+      break;
+    }
+    smalls.push_back(p);
+  }
+  for (std::size_t i = 1; i < smalls.size(); i += 2) {
+    release(smalls[i], small);
+    smalls[i] = nullptr;
+    r.denominator += small;
+    ++r.ops;
+  }
+  std::vector<void*> larges;
+  while (larges.size() < max_blocks) {
+    void* p = alloc(large);
+    ++r.ops;
+    if (p == nullptr) {
+      break;
+    }
+    larges.push_back(p);
+    r.numerator += large;
+  }
+  for (void* p : larges) {
+    release(p, large);
+    ++r.ops;
+  }
+  for (void* p : smalls) {
+    if (p != nullptr) {
+      release(p, small);
+      ++r.ops;
+    }
+  }
+  const auto ns = std::chrono::duration<double, std::nano>(clock::now() - start).count();
+  r.ns_per_op = r.ops ? ns / static_cast<double>(r.ops) : 0;
+  r.ratio = r.denominator ? static_cast<double>(r.numerator) / static_cast<double>(r.denominator) : 0;
+  return r;
+}
+
+struct mixed_spec {
+  std::size_t start_free = 0;  ///< free memory when the experiment starts (the denominator)
+  std::size_t large_min = 0;
+  std::size_t large_max = 0;
+  std::size_t small_min = 0;
+  std::size_t small_max = 0;
+  std::size_t smalls_per_step = 3;
+  std::size_t large_window = 4;
+  std::uint64_t seed = 42;
+  std::size_t max_steps = 1 << 20;
+};
+
+/// The mixed trace scaled to a device of `free_bytes`: large blocks 1/640..1/80 of it,
+/// small ones 64 KiB..1 MiB.
+inline mixed_spec mixed_spec_for(std::size_t free_bytes) {
+  mixed_spec s;
+  s.start_free = free_bytes;
+  s.large_min = free_bytes / 640;
+  s.large_max = free_bytes / 80;
+  s.small_min = 64 * KiB;
+  s.small_max = MiB;
+  return s;
+}
+
+template <class Alloc, class Free>
+fragmentation_result mixed(const mixed_spec& spec, Alloc&& alloc, Free&& release) {
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  fragmentation_result r;
+  r.denominator = spec.start_free;
+  random rng(spec.seed);
+  std::deque<std::pair<void*, std::size_t>> larges;
+  std::vector<std::pair<void*, std::size_t>> smalls;
+  std::size_t live = 0;
+  bool failed = false;
+  for (std::size_t step = 0; step < spec.max_steps && !failed; ++step) {
+    const std::size_t big = rng.log_uniform(spec.large_min, spec.large_max);
+    void* p = alloc(big);
+    ++r.ops;
+    if (p == nullptr) {
+      failed = true;
+      break;
+    }
+    larges.emplace_back(p, big);
+    live += big;
+    for (std::size_t k = 0; k < spec.smalls_per_step; ++k) {
+      const std::size_t n = rng.log_uniform(spec.small_min, spec.small_max);
+      void* q = alloc(n);
+      ++r.ops;
+      if (q == nullptr) {
+        failed = true;
+        break;
+      }
+      smalls.emplace_back(q, n);
+      live += n;
+    }
+    while (!failed && larges.size() > spec.large_window) {
+      release(larges.front().first, larges.front().second);
+      live -= larges.front().second;
+      larges.pop_front();
+      ++r.ops;
+    }
+  }
+  r.numerator = live;
+  for (const auto& [p, n] : larges) {
+    release(p, n);
+    ++r.ops;
+  }
+  for (const auto& [p, n] : smalls) {
+    release(p, n);
+    ++r.ops;
+  }
+  const auto ns = std::chrono::duration<double, std::nano>(clock::now() - start).count();
+  r.ns_per_op = r.ops ? ns / static_cast<double>(r.ops) : 0;
+  r.ratio = r.denominator ? static_cast<double>(r.numerator) / static_cast<double>(r.denominator) : 0;
+  return r;
+}
+
+}  // namespace cudamem_bench

@@ -1,0 +1,218 @@
+// cudamem/arena_resource.hpp — a monotonic bump allocator, the shape of
+// std::pmr::monotonic_buffer_resource: allocation is a pointer bump, frees do nothing, and
+// everything goes back at release() or destruction. Plus `arena_scope`, which rewinds the
+// arena when a scope ends: per-iteration scratch memory for nothing.
+//
+//   cudamem::pool_resource pool{device};
+//   cudamem::arena_resource arena{pool, {.initial_chunk_size = 64 << 20}};
+//   for (int step = 0; step < steps; ++step) {
+//     cudamem::arena_scope scratch{arena};        // remembers where the arena is
+//     float* a = static_cast<float*>(arena.allocate(n * sizeof(float), 256, s));
+//     float* b = static_cast<float*>(arena.allocate(m * sizeof(float), 256, s));
+//     kernel<<<g, t, 0, s.get()>>>(a, b);
+//   }                                              // rewinds: the next step reuses the bytes
+//   arena.release();                               // chunks back to the pool
+//
+// Contract (memory_resource.hpp's, plus)
+// - Kind and device are the upstream's. allocate is O(1): it bumps an offset in the current
+//   chunk. When the chunk is full the arena moves to its next chunk (kept from before a
+//   rewind) or asks the upstream for a new one: `initial_chunk_size` first, then each new
+//   chunk `growth_factor` times the last, up to `maximum_chunk_size` — or the request's size
+//   when that is larger. A failing upstream throws its out_of_memory; the arena is unchanged.
+// - deallocate does nothing (the size and pointer are not even checked).
+// - release() returns every chunk to the upstream; the destructor does too. rewind(mark) (and
+//   arena_scope's destructor) makes every byte allocated after the mark available again but
+//   keeps the chunks, so a loop that rewinds every iteration stops calling the upstream after
+//   its first iteration.
+// - Stream order: an arena is for one stream (or for work the caller synchronises). Memory
+//   handed out before a rewind may be handed out again at once; that is safe when all work
+//   using the arena runs in order on one stream. release() uses the synchronous upstream
+//   deallocate (the caller promises no pending work uses the memory); release(s) returns the
+//   chunks in stream order on `s` instead (the last work using them was submitted to s).
+// - A request no chunk could ever hold (near SIZE_MAX) throws out_of_memory.
+// - Not thread-safe: use one arena per thread (it is the cheapest object there is).
+// - Stats: reserved = bytes of the chunks held, used = bytes handed out since the last
+//   rewind/release (alignment padding included), peak = the most `used` has been.
+#pragma once
+
+#include <cudamem/memory_resource.hpp>
+#include <cudamem/out_of_memory.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace cudamem {
+
+/// How an `arena_resource` grows; see the contract above.
+struct arena_options {
+  std::size_t initial_chunk_size = std::size_t{1} << 20;   ///< first chunk asked for
+  double growth_factor = 2.0;                              ///< each new chunk vs the last
+  std::size_t maximum_chunk_size = std::size_t{1} << 30;   ///< chunks grow no larger
+};
+
+/// A point in an arena to rewind to (from `arena_resource::mark()`).
+struct arena_mark {
+  std::size_t chunk = 0;
+  std::size_t offset = 0;
+  std::size_t used = 0;
+};
+
+/// A monotonic bump allocator; see the contract above.
+class arena_resource final : public memory_resource {
+ public:
+  explicit arena_resource(memory_resource& upstream, arena_options options = {})
+      : memory_resource(upstream.kind(), upstream.device()), upstream_(&upstream),
+        options_(options), next_chunk_size_(options.initial_chunk_size) {
+    if (options_.initial_chunk_size == 0 || options_.maximum_chunk_size == 0 ||
+        !(options_.growth_factor >= 1.0)) {
+      throw std::invalid_argument(
+          "cudamem::arena_resource: chunk sizes must be positive and growth_factor >= 1");
+    }
+  }
+
+  ~arena_resource() override { release(); }
+
+  arena_resource(const arena_resource&) = delete;
+  arena_resource& operator=(const arena_resource&) = delete;
+
+  /// Returns every chunk to the upstream (synchronous deallocate).
+  void release() noexcept { release_chunks(nullptr); }
+  /// Returns every chunk to the upstream in stream order on `s`.
+  void release(stream_view s) noexcept { release_chunks(&s); }
+
+  /// Where the arena is now; pass it to rewind().
+  [[nodiscard]] arena_mark mark() const noexcept { return {current_, offset_, used_}; }
+
+  /// Makes everything allocated after `m` available again; keeps the chunks.
+  void rewind(const arena_mark& m) noexcept {
+    if (m.chunk > current_ || (m.chunk == current_ && m.offset > offset_) ||
+        (m.chunk >= chunks_.size() && !chunks_.empty())) {
+      return;  // a mark from after the current point (or from before a release): nothing to do
+    }
+    current_ = m.chunk;
+    offset_ = m.offset;
+    used_ = m.used;
+  }
+
+  /// Number of chunks held.
+  [[nodiscard]] std::size_t chunk_count() const noexcept { return chunks_.size(); }
+
+ private:
+  struct chunk {
+    std::uintptr_t base;
+    std::size_t size;
+  };
+
+  void* do_allocate(std::size_t bytes, std::size_t alignment, stream_view /*stream*/) override {
+    return bump(bytes, alignment);
+  }
+  void* do_allocate_sync(std::size_t bytes, std::size_t alignment) override {
+    return bump(bytes, alignment);
+  }
+  void do_deallocate(void*, std::size_t, std::size_t, stream_view) noexcept override {}
+  void do_deallocate_sync(void*, std::size_t, std::size_t) noexcept override {}
+
+  void* bump(std::size_t bytes, std::size_t alignment) {
+    if (current_ < chunks_.size()) [[likely]] {
+      const chunk& c = chunks_[current_];
+      const std::uintptr_t start = (c.base + offset_ + alignment - 1) & ~(alignment - 1);
+      const std::size_t end = start - c.base + bytes;
+      if (end <= c.size && end >= bytes) {  // (end >= bytes: no wrap-around)
+        used_ += end - offset_;
+        offset_ = end;
+        peak_ = used_ > peak_ ? used_ : peak_;
+        return reinterpret_cast<void*>(start);
+      }
+    }
+    return bump_slow(bytes, alignment);
+  }
+
+  /// The current chunk is full: the next kept chunk that fits, or a new one.
+  void* bump_slow(std::size_t bytes, std::size_t alignment) {
+    if (bytes > std::numeric_limits<std::size_t>::max() / 2 ||
+        alignment > std::numeric_limits<std::size_t>::max() / 4) {
+      throw_out_of_memory(*this, bytes, alignment, "arena_resource: request too large");
+    }
+    const std::size_t needed = bytes + (alignment > default_alignment ? alignment : 0);
+    std::size_t next = current_ < chunks_.size() ? current_ + 1 : 0;
+    for (; next < chunks_.size(); ++next) {  // chunks kept from before a rewind
+      if (chunks_[next].size >= needed) {
+        break;
+      }
+    }
+    if (next == chunks_.size()) {
+      const std::size_t size = std::max(needed, next_chunk_size_);
+      chunks_.reserve(chunks_.size() + 1);  // before asking: a bad_alloc here leaks nothing
+      void* p = upstream_->allocate(size, std::max(alignment, default_alignment));
+      chunks_.push_back({reinterpret_cast<std::uintptr_t>(p), size});
+      reserved_ += size;
+      const double grown = static_cast<double>(next_chunk_size_) * options_.growth_factor;
+      next_chunk_size_ = grown >= static_cast<double>(options_.maximum_chunk_size)
+                             ? options_.maximum_chunk_size
+                             : static_cast<std::size_t>(grown);
+    }
+    // Bytes skipped at the end of the chunks passed over count as used until a rewind.
+    for (std::size_t i = current_; i < next && i < chunks_.size(); ++i) {
+      used_ += chunks_[i].size - (i == current_ ? offset_ : 0);
+    }
+    current_ = next;
+    offset_ = 0;
+    return bump(bytes, alignment);
+  }
+
+  void release_chunks(const stream_view* s) noexcept {
+    for (const chunk& c : chunks_) {
+      if (s != nullptr) {
+        upstream_->deallocate(reinterpret_cast<void*>(c.base), c.size, default_alignment, *s);
+      } else {
+        upstream_->deallocate(reinterpret_cast<void*>(c.base), c.size, default_alignment);
+      }
+    }
+    chunks_.clear();
+    current_ = 0;
+    offset_ = 0;
+    used_ = 0;
+    reserved_ = 0;
+    next_chunk_size_ = options_.initial_chunk_size;
+  }
+
+  std::string_view do_name() const noexcept override { return "arena_resource"; }
+  memory_resource* do_upstream() const noexcept override { return upstream_; }
+  resource_stats do_stats() const override {
+    resource_stats s;
+    s.reserved_bytes = reserved_;
+    s.used_bytes = used_;
+    s.peak_used_bytes = peak_;
+    return s;
+  }
+
+  memory_resource* upstream_;
+  arena_options options_;
+  std::vector<chunk> chunks_;
+  std::size_t current_ = 0;  ///< index of the chunk being bumped in (== size(): none)
+  std::size_t offset_ = 0;   ///< bytes used in it
+  std::size_t used_ = 0;
+  std::size_t peak_ = 0;
+  std::size_t reserved_ = 0;
+  std::size_t next_chunk_size_;
+};
+
+/// Rewinds an arena to where it was when the scope began; see arena_resource's contract.
+class arena_scope {
+ public:
+  explicit arena_scope(arena_resource& arena) noexcept : arena_(&arena), mark_(arena.mark()) {}
+  ~arena_scope() { arena_->rewind(mark_); }
+  arena_scope(const arena_scope&) = delete;
+  arena_scope& operator=(const arena_scope&) = delete;
+
+ private:
+  arena_resource* arena_;
+  arena_mark mark_;
+};
+
+}  // namespace cudamem

@@ -1,0 +1,450 @@
+// cudamem/detail/tlsf_heap.hpp — a two-level segregated fit (TLSF) heap over address ranges
+// whose bytes it never touches: the free-block index behind pool_resource (and any allocator
+// that carves blocks out of device memory, which the host cannot read).
+//
+//   cudamem::detail::tlsf_heap<> heap{256};                  // every block a multiple of 256 B
+//   auto* region = heap.add_region(base, 64 << 20);          // 64 MiB at `base` (not read)
+//   auto* b = heap.allocate(1000, 256);                      // block of 1024 B, or nullptr
+//   use(b->address);
+//   heap.free(b);                                            // coalesces with free neighbours
+//   if (heap.is_wholly_free(region)) heap.remove_region(region);  // give it back upstream
+//
+// How it works (for a student)
+// - Every block (free or in use) is a host-side node: address, size, its address neighbours in
+//   the same region (prev_phys/next_phys) and, when free, its place in a size-class list. The
+//   managed memory is never read or written, so it may be device memory or a fake range.
+// - Free blocks are binned by size in two levels: the first level is the power of two
+//   (floor(log2(size))), the second splits each power of two into 32 equal classes. One bit
+//   per non-empty list in two bitmaps makes "the smallest non-empty class that is large enough"
+//   two find-first-set instructions: O(1) whatever the number of free blocks.
+// - allocate() first looks at a few blocks of the request's own class (a block there may fit
+//   exactly: near best fit), then takes the head of the next class up, where every block fits
+//   (TLSF's "good fit": at most 1/32 larger than needed before splitting). The block is split
+//   and the rest goes back as a free block; free() merges the block with free address
+//   neighbours at once, so no two free blocks are ever adjacent.
+// - A region is one contiguous range (an upstream allocation). Blocks never merge across
+//   regions, so a region whose one block is free can be handed back whole. extend_region()
+//   grows a region at its end: a pool over a growable virtual address range maps more memory
+//   behind the range and tells the heap, and the new bytes merge with the free tail.
+//
+// Contract
+// - All sizes and addresses are multiples of `granule` (a power of two). Region bases must be
+//   granule-aligned; region sizes are rounded down to the granule.
+// - allocate(bytes, alignment) returns a block of exactly round_up(bytes, granule) bytes whose
+//   address is aligned to `alignment` (any power of two), or nullptr when no free block can
+//   hold it. It throws only std::bad_alloc (host memory for nodes), leaving the heap unchanged.
+// - free(b) takes a block allocate() returned and not yet freed; it is noexcept.
+// - `Tag` is per-block data the user keeps with free blocks (pool_resource: which streams'
+//   frees are pending). It must be default-constructible and copyable and have
+//   `void absorb(const Tag& other)`; merged blocks absorb each other's tags, split blocks copy
+//   theirs. `no_tag` is the empty default.
+// - Not thread-safe: the owner locks.
+#pragma once
+
+#include <bit>
+#include <cassert>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <new>
+#include <vector>
+
+namespace cudamem::detail {
+
+/// The empty per-block tag.
+struct no_tag {
+  void absorb(const no_tag& /*other*/) noexcept {}
+};
+
+template <class Tag>
+struct tlsf_region;
+
+/// One block of a region: free or in use. Host-side only.
+template <class Tag>
+struct tlsf_block {
+  std::uintptr_t address = 0;
+  std::size_t size = 0;
+  tlsf_block* prev_phys = nullptr;  ///< the block just below in the same region, or nullptr
+  tlsf_block* next_phys = nullptr;  ///< the block just above in the same region, or nullptr
+  tlsf_block* prev_free = nullptr;  ///< size-class list links, meaningful while free
+  tlsf_block* next_free = nullptr;
+  tlsf_region<Tag>* region = nullptr;
+  bool free = false;
+  Tag tag{};
+};
+
+/// One contiguous range given to the heap.
+template <class Tag>
+struct tlsf_region {
+  std::uintptr_t base = 0;
+  std::size_t size = 0;
+  tlsf_block<Tag>* first = nullptr;
+  tlsf_block<Tag>* last = nullptr;
+  tlsf_region* prev = nullptr;
+  tlsf_region* next = nullptr;
+  std::uint32_t owner = 0;  ///< free for the user (pool_resource: which tier the region is in)
+};
+
+template <class Tag = no_tag>
+class tlsf_heap {
+ public:
+  using block = tlsf_block<Tag>;
+  using region = tlsf_region<Tag>;
+
+  static constexpr unsigned second_level_log2 = 5;
+  static constexpr unsigned second_level_count = 1U << second_level_log2;
+  static constexpr unsigned first_level_count = 64;
+  /// How many blocks of the request's own class allocate() inspects before rounding up.
+  static constexpr unsigned exact_class_probes = 8;
+
+  explicit tlsf_heap(std::size_t granule = 256) : granule_(granule) {
+    assert(std::has_single_bit(granule));
+    granule_log2_ = static_cast<unsigned>(std::countr_zero(granule));
+  }
+
+  ~tlsf_heap() {
+    for (region* r = regions_; r != nullptr;) {
+      region* next = r->next;
+      delete r;
+      r = next;
+    }
+  }
+
+  tlsf_heap(const tlsf_heap&) = delete;
+  tlsf_heap& operator=(const tlsf_heap&) = delete;
+
+  [[nodiscard]] std::size_t granule() const noexcept { return granule_; }
+
+  /// Adds [base, base + size) as one free block. Returns the region (owned by the heap).
+  region* add_region(std::uintptr_t base, std::size_t size, std::uint32_t owner = 0) {
+    assert(base % granule_ == 0);
+    size &= ~(granule_ - 1);
+    assert(size > 0);
+    reserve_nodes(1);
+    auto holder = std::make_unique<region>();
+    region* r = holder.release();
+    r->base = base;
+    r->size = size;
+    r->owner = owner;
+    block* b = take_node();
+    b->address = base;
+    b->size = size;
+    b->region = r;
+    r->first = r->last = b;
+    r->next = regions_;
+    if (regions_ != nullptr) {
+      regions_->prev = r;
+    }
+    regions_ = r;
+    ++region_count_;
+    total_bytes_ += size;
+    insert_free(b);
+    return r;
+  }
+
+  /// Grows region `r` by `extra` bytes at its end (the caller made them usable). The new
+  /// bytes merge with a free tail block.
+  void extend_region(region* r, std::size_t extra) {
+    extra &= ~(granule_ - 1);
+    if (extra == 0) {
+      return;
+    }
+    reserve_nodes(1);
+    block* tail = r->last;
+    r->size += extra;
+    total_bytes_ += extra;
+    if (tail->free) {
+      remove_free(tail);
+      tail->size += extra;
+      insert_free(tail);
+      return;
+    }
+    block* b = take_node();
+    b->address = tail->address + tail->size;
+    b->size = extra;
+    b->region = r;
+    b->prev_phys = tail;
+    tail->next_phys = b;
+    r->last = b;
+    insert_free(b);
+  }
+
+  /// True when the whole region is one free block.
+  [[nodiscard]] static bool is_wholly_free(const region* r) noexcept {
+    return r->first == r->last && r->first->free;
+  }
+
+  /// Forgets a wholly free region (the caller then returns its memory).
+  void remove_region(region* r) noexcept {
+    assert(is_wholly_free(r));
+    remove_free(r->first);
+    recycle_node(r->first);
+    (r->prev != nullptr ? r->prev->next : regions_) = r->next;
+    if (r->next != nullptr) {
+      r->next->prev = r->prev;
+    }
+    total_bytes_ -= r->size;
+    --region_count_;
+    delete r;
+  }
+
+  /// The regions, newest first (a singly walked list: `for (r = first_region(); r; r = r->next)`).
+  [[nodiscard]] region* first_region() const noexcept { return regions_; }
+  [[nodiscard]] std::size_t region_count() const noexcept { return region_count_; }
+
+  /// A block of round_up(bytes, granule) bytes aligned to `alignment`, or nullptr.
+  [[nodiscard]] block* allocate(std::size_t bytes, std::size_t alignment) {
+    const std::size_t size = round_up(bytes);
+    if (size == 0) {
+      return nullptr;  // bytes == 0 or rounding overflowed: nothing can hold it
+    }
+    const std::size_t padding = alignment > granule_ ? alignment - granule_ : 0;
+    if (size > std::numeric_limits<std::size_t>::max() - padding) {
+      return nullptr;
+    }
+    reserve_nodes(2);  // the two splits below must not fail half-way
+    block* b = find_free(size + padding, size, alignment);
+    if (b == nullptr) {
+      return nullptr;
+    }
+    remove_free(b);
+    const std::size_t front = aligned_offset(b->address, alignment);
+    if (front != 0) {  // give the bytes below the aligned address back as a free block
+      block* aligned = split(b, front);
+      insert_free(b);
+      b = aligned;
+    }
+    if (b->size > size) {
+      insert_free(split(b, size));
+    }
+    return b;  // remove_free marked it in use
+  }
+
+  /// Returns a block; merges it with free neighbours. Returns the resulting free block.
+  block* free(block* b) noexcept {
+    assert(!b->free);
+    if (block* below = b->prev_phys; below != nullptr && below->free) {
+      remove_free(below);
+      below->tag.absorb(b->tag);
+      merge_into(below, b);
+      b = below;
+    }
+    if (block* above = b->next_phys; above != nullptr && above->free) {
+      remove_free(above);
+      b->tag.absorb(above->tag);
+      merge_into(b, above);
+    }
+    insert_free(b);
+    return b;
+  }
+
+  // --- what it holds ------------------------------------------------------------------------
+
+  [[nodiscard]] std::size_t total_bytes() const noexcept { return total_bytes_; }
+  [[nodiscard]] std::size_t free_bytes() const noexcept { return free_bytes_; }
+  [[nodiscard]] std::size_t free_block_count() const noexcept { return free_blocks_; }
+
+  /// The largest free block: scans only the highest non-empty size class.
+  [[nodiscard]] std::size_t largest_free_block() const noexcept {
+    if (first_level_map_ == 0) {
+      return 0;
+    }
+    const unsigned fl = 63U - static_cast<unsigned>(std::countl_zero(first_level_map_));
+    const unsigned sl = 31U - static_cast<unsigned>(std::countl_zero(second_level_map_[fl]));
+    std::size_t largest = 0;
+    for (const block* b = heads_[fl][sl]; b != nullptr; b = b->next_free) {
+      largest = b->size > largest ? b->size : largest;
+    }
+    return largest;
+  }
+
+  /// round_up(bytes, granule), or 0 when that overflows.
+  [[nodiscard]] std::size_t round_up(std::size_t bytes) const noexcept {
+    if (bytes > std::numeric_limits<std::size_t>::max() - (granule_ - 1)) {
+      return 0;
+    }
+    return (bytes + granule_ - 1) & ~(granule_ - 1);
+  }
+
+ private:
+  // --- size classes -------------------------------------------------------------------------
+
+  struct size_class {
+    unsigned first;
+    unsigned second;
+  };
+
+  /// The class a block of `size` bytes is filed under.
+  [[nodiscard]] size_class class_of(std::size_t size) const noexcept {
+    const std::size_t units = size >> granule_log2_;
+    if (units < second_level_count) {  // small blocks: one class per granule
+      return {0, static_cast<unsigned>(units)};
+    }
+    const unsigned msb = 63U - static_cast<unsigned>(std::countl_zero(units));
+    return {msb - second_level_log2 + 1,
+            static_cast<unsigned>((units >> (msb - second_level_log2)) - second_level_count)};
+  }
+
+  /// The first class in which every block holds `size` bytes (`size` rounded up to a class
+  /// boundary), or {first_level_count, 0} when there is none.
+  [[nodiscard]] size_class class_holding(std::size_t size) const noexcept {
+    std::size_t units = size >> granule_log2_;
+    if (units >= second_level_count) {
+      const unsigned msb = 63U - static_cast<unsigned>(std::countl_zero(units));
+      const std::size_t step = std::size_t{1} << (msb - second_level_log2);
+      units = (units + step - 1) & ~(step - 1);
+    }
+    if (units == 0 || units > (std::numeric_limits<std::size_t>::max() >> granule_log2_)) {
+      return {first_level_count, 0};
+    }
+    return class_of(units << granule_log2_);
+  }
+
+  /// A free block that can hold `needed` bytes (`size` bytes at `alignment`), or nullptr.
+  block* find_free(std::size_t needed, std::size_t size, std::size_t alignment) const noexcept {
+    // Near best fit: a block of the request's own class may already be large enough.
+    const size_class own = class_of(needed);
+    unsigned probes = 0;
+    for (block* b = heads_[own.first][own.second]; b != nullptr && probes < exact_class_probes;
+         b = b->next_free, ++probes) {
+      if (b->size >= size + aligned_offset(b->address, alignment)) {
+        return b;
+      }
+    }
+    // Good fit: the head of the first class whose every block is large enough.
+    size_class c = class_holding(needed);
+    if (c.first >= first_level_count) {
+      return nullptr;
+    }
+    std::uint32_t second_map = second_level_map_[c.first] & (~std::uint32_t{0} << c.second);
+    if (second_map == 0) {
+      const std::uint64_t first_map =
+          c.first + 1 >= first_level_count ? 0 : first_level_map_ & (~std::uint64_t{0} << (c.first + 1));
+      if (first_map == 0) {
+        return nullptr;
+      }
+      c.first = static_cast<unsigned>(std::countr_zero(first_map));
+      second_map = second_level_map_[c.first];
+    }
+    c.second = static_cast<unsigned>(std::countr_zero(second_map));
+    return heads_[c.first][c.second];
+  }
+
+  [[nodiscard]] static std::size_t aligned_offset(std::uintptr_t address,
+                                                  std::size_t alignment) noexcept {
+    return (alignment - (address & (alignment - 1))) & (alignment - 1);
+  }
+
+  // --- free lists ---------------------------------------------------------------------------
+
+  void insert_free(block* b) noexcept {
+    const size_class c = class_of(b->size);
+    b->free = true;
+    b->prev_free = nullptr;
+    b->next_free = heads_[c.first][c.second];
+    if (b->next_free != nullptr) {
+      b->next_free->prev_free = b;
+    }
+    heads_[c.first][c.second] = b;
+    first_level_map_ |= std::uint64_t{1} << c.first;
+    second_level_map_[c.first] |= std::uint32_t{1} << c.second;
+    free_bytes_ += b->size;
+    ++free_blocks_;
+  }
+
+  void remove_free(block* b) noexcept {
+    const size_class c = class_of(b->size);
+    if (b->prev_free != nullptr) {
+      b->prev_free->next_free = b->next_free;
+    } else {
+      heads_[c.first][c.second] = b->next_free;
+      if (b->next_free == nullptr) {
+        second_level_map_[c.first] &= ~(std::uint32_t{1} << c.second);
+        if (second_level_map_[c.first] == 0) {
+          first_level_map_ &= ~(std::uint64_t{1} << c.first);
+        }
+      }
+    }
+    if (b->next_free != nullptr) {
+      b->next_free->prev_free = b->prev_free;
+    }
+    b->free = false;
+    free_bytes_ -= b->size;
+    --free_blocks_;
+  }
+
+  // --- splitting and merging ----------------------------------------------------------------
+
+  /// Cuts `b` (not in a free list) at `offset`; returns the upper part, linked after `b`.
+  block* split(block* b, std::size_t offset) noexcept {
+    block* upper = take_node();
+    upper->address = b->address + offset;
+    upper->size = b->size - offset;
+    upper->region = b->region;
+    upper->tag = b->tag;
+    upper->prev_phys = b;
+    upper->next_phys = b->next_phys;
+    if (upper->next_phys != nullptr) {
+      upper->next_phys->prev_phys = upper;
+    } else {
+      b->region->last = upper;
+    }
+    b->next_phys = upper;
+    b->size = offset;
+    return upper;
+  }
+
+  /// Appends `upper` (b's next neighbour, not in a free list) to `b` and recycles its node.
+  void merge_into(block* b, block* upper) noexcept {
+    b->size += upper->size;
+    b->next_phys = upper->next_phys;
+    if (b->next_phys != nullptr) {
+      b->next_phys->prev_phys = b;
+    } else {
+      b->region->last = b;
+    }
+    recycle_node(upper);
+  }
+
+  // --- node storage: slabs of nodes and a free list, so splitting never calls new -----------
+
+  void reserve_nodes(std::size_t count) {
+    while (spare_count_ < count) {
+      constexpr std::size_t slab_size = 256;
+      slabs_.push_back(std::make_unique<block[]>(slab_size));  // may throw: nothing changed yet
+      for (std::size_t i = 0; i < slab_size; ++i) {
+        recycle_node(&slabs_.back()[i]);
+      }
+    }
+  }
+  block* take_node() noexcept {
+    assert(spare_ != nullptr);
+    block* b = spare_;
+    spare_ = b->next_free;
+    --spare_count_;
+    *b = block{};
+    return b;
+  }
+  void recycle_node(block* b) noexcept {
+    b->next_free = spare_;
+    spare_ = b;
+    ++spare_count_;
+  }
+
+  std::size_t granule_;
+  unsigned granule_log2_ = 0;
+  std::uint64_t first_level_map_ = 0;
+  std::uint32_t second_level_map_[first_level_count] = {};
+  block* heads_[first_level_count][second_level_count] = {};
+  region* regions_ = nullptr;
+  std::size_t region_count_ = 0;
+  std::size_t total_bytes_ = 0;
+  std::size_t free_bytes_ = 0;
+  std::size_t free_blocks_ = 0;
+  std::vector<std::unique_ptr<block[]>> slabs_;
+  block* spare_ = nullptr;
+  std::size_t spare_count_ = 0;
+};
+
+}  // namespace cudamem::detail
