@@ -34,6 +34,7 @@
 #include <cudamem/statistics_adaptor.hpp>
 #include <cudamem/stream.hpp>
 #include <cudamem/sync_guard.hpp>
+#include <cudamem/trace_export.hpp>
 #include <cudamem/tracking_adaptor.hpp>
 #include <cudamem/version.hpp>
 #include <cudamem/vm_pool_resource.hpp>

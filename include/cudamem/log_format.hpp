@@ -73,39 +73,67 @@ inline constexpr std::string_view log_header =
 /// The longest line `format_log_line` writes, with its newline.
 inline constexpr std::size_t max_log_line = 160;  // 8 fields of at most 20 digits, and more
 
+namespace detail {
+
+/// Appends characters to a fixed buffer, never past its end (a full buffer drops the rest;
+/// max_log_line leaves room for the longest line, so it never does).
+class log_line_writer {
+ public:
+  log_line_writer(char* begin, std::size_t capacity) noexcept
+      : begin_(begin), next_(begin), end_(begin + capacity) {}
+  void put(char c) noexcept {
+    if (next_ != end_) {
+      *next_++ = c;
+    }
+  }
+  void put(std::string_view text) noexcept {
+    for (const char c : text) {
+      put(c);
+    }
+  }
+  void put_number(std::uint64_t value, int base = 10) noexcept {
+    char digits[24];
+    const auto result = std::to_chars(digits, digits + sizeof digits, value, base);
+    put(std::string_view(digits, static_cast<std::size_t>(result.ptr - digits)));
+  }
+  [[nodiscard]] std::size_t size() const noexcept {
+    return static_cast<std::size_t>(next_ - begin_);
+  }
+
+ private:
+  char* begin_;
+  char* next_;
+  char* end_;
+};
+
+}  // namespace detail
+
 /// Writes `e` as one line into `out` (at least max_log_line chars); returns the length.
 inline std::size_t format_log_line(const log_event& e, char* out) noexcept {
-  char* p = out;
-  char* const end = out + max_log_line;
-  *p++ = static_cast<char>(e.kind);
-  auto decimal = [&](std::uint64_t v) {
-    *p++ = ',';
-    p = std::to_chars(p, end, v).ptr;
-  };
-  auto hex = [&](std::uint64_t v) {
-    *p++ = ',';
-    *p++ = '0';
-    *p++ = 'x';
-    p = std::to_chars(p, end, v, 16).ptr;
-  };
-  decimal(e.t_ns);
-  decimal(e.thread);
+  detail::log_line_writer line{out, max_log_line};
+  line.put(static_cast<char>(e.kind));
+  line.put(',');
+  line.put_number(e.t_ns);
+  line.put(',');
+  line.put_number(e.thread);
   if (e.synchronous) {
-    for (const char c : std::string_view{",sync"}) {
-      *p++ = c;
-    }
+    line.put(",sync");
   } else {
-    hex(e.stream);
+    line.put(",0x");
+    line.put_number(e.stream, 16);
   }
-  hex(e.pointer);
-  decimal(e.bytes);
-  decimal(e.alignment);
-  *p++ = ',';
+  line.put(",0x");
+  line.put_number(e.pointer, 16);
+  line.put(',');
+  line.put_number(e.bytes);
+  line.put(',');
+  line.put_number(e.alignment);
+  line.put(',');
   if (e.reserved) {
-    p = std::to_chars(p, end, *e.reserved).ptr;
+    line.put_number(*e.reserved);
   }
-  *p++ = '\n';
-  return static_cast<std::size_t>(p - out);
+  line.put('\n');
+  return line.size();
 }
 
 /// The line for `e`, as a string.
