@@ -1,9 +1,9 @@
 # Helpers shared by the packaging test scripts (cmake -P). Each one checks something and stops
 # the test with FATAL_ERROR, saying what was wrong, when it does not hold.
 
-# Runs a command; stops with its output when it fails.
+# Runs a command; stops with its output when it fails, shows it anyway with SHOW_OUTPUT.
 function(packaging_run)
-  cmake_parse_arguments(PARSE_ARGV 0 arg "" "WORKING_DIRECTORY" "")
+  cmake_parse_arguments(PARSE_ARGV 0 arg "SHOW_OUTPUT" "WORKING_DIRECTORY" "")
   set(where "")
   if(arg_WORKING_DIRECTORY)
     set(where WORKING_DIRECTORY ${arg_WORKING_DIRECTORY})
@@ -15,6 +15,20 @@ function(packaging_run)
   if(NOT rc EQUAL 0)
     message(FATAL_ERROR "failed (${rc}): ${shown}\n${out}")
   endif()
+  if(arg_SHOW_OUTPUT)
+    message(STATUS "output:\n${out}")
+  endif()
+endfunction()
+
+# Runs a command and stores its standard output, stripped, in `out_var`; stops when it fails.
+function(packaging_capture out_var)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE error
+                  OUTPUT_STRIP_TRAILING_WHITESPACE)
+  if(NOT rc EQUAL 0)
+    list(JOIN ARGN " " shown)
+    message(FATAL_ERROR "failed (${rc}): ${shown}\n${error}")
+  endif()
+  set(${out_var} "${out}" PARENT_SCOPE)
 endfunction()
 
 # An installed prefix must hold the headers and the package config under `config_dir`, and no
