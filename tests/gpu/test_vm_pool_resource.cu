@@ -1,0 +1,177 @@
+// vm_pool_resource on a real device: stream order across compaction (a kernel still reading a
+// freed block whose physical memory is recycled), everything given back at destruction, real
+// swiss cheese, peers, bad input.
+#include <cudamem/stream.hpp>
+#include <cudamem/vm_pool_resource.hpp>
+
+#include "gpu_test.hpp"
+
+#include <cstdint>
+#include <vector>
+
+using namespace cudamem;
+
+namespace {
+
+constexpr std::size_t MiB = std::size_t{1} << 20;
+
+/// Spins for `cycles`, then counts the bytes of `data` that equal `expected`.
+__global__ void slow_count(const unsigned char* data, std::size_t n, unsigned char expected,
+                           long long cycles, unsigned long long* count) {
+  if (threadIdx.x == 0) {
+    const long long start = clock64();
+    while (clock64() - start < cycles) {
+    }
+  }
+  __syncthreads();
+  unsigned long long mine = 0;
+  for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<std::size_t>(gridDim.x) * blockDim.x) {
+    mine += data[i] == expected ? 1 : 0;
+  }
+  atomicAdd(count, mine);
+}
+
+vm_pool_options limited(std::size_t chunk, std::size_t limit) {
+  vm_pool_options o;
+  o.chunk_bytes = chunk;
+  o.physical_limit = limit;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("vm_pool (GPU): recycled memory is not overwritten while a kernel still reads it") {
+  vm_pool_resource pool{0, limited(32 * MiB, 256 * MiB)};
+  stream reader;
+  stream writer;
+  std::vector<void*> blocks;
+  for (int i = 0; i < 4; ++i) {
+    blocks.push_back(pool.allocate(64 * MiB, 256, reader));
+    check(cudaMemsetAsync(blocks.back(), 1, 64 * MiB, reader.get()));
+  }
+  unsigned long long* count = nullptr;
+  check(cudaMallocAsync(&count, 2 * sizeof(unsigned long long), reader.get()));
+  check(cudaMemsetAsync(count, 0, 2 * sizeof(unsigned long long), reader.get()));
+  // Two kernels that wait ~0.5 s, then read blocks 0 and 2; both blocks are freed at once.
+  const long long cycles = 1'000'000'000;
+  slow_count<<<256, 256, 0, reader.get()>>>(static_cast<unsigned char*>(blocks[0]), 64 * MiB, 1,
+                                            cycles, count);
+  slow_count<<<256, 256, 0, reader.get()>>>(static_cast<unsigned char*>(blocks[2]), 64 * MiB, 1,
+                                            cycles, count + 1);
+  check(cudaGetLastError());
+  pool.deallocate(blocks[0], 64 * MiB, 256, reader);
+  pool.deallocate(blocks[2], 64 * MiB, 256, reader);
+  // The budget is spent: 128 MiB on another stream needs both holes, remapped together.
+  void* big = pool.allocate(128 * MiB, 256, writer);
+  CHECK(pool.vm_stats().compactions == 1);
+  check(cudaMemsetAsync(big, 0xFF, 128 * MiB, writer.get()));
+  writer.synchronize();
+  reader.synchronize();
+  unsigned long long host[2] = {0, 0};
+  check(cudaMemcpy(host, count, sizeof host, cudaMemcpyDeviceToHost));
+  CHECK(host[0] == 64 * MiB);  // the kernels saw their data, not the writer's 0xFF
+  CHECK(host[1] == 64 * MiB);
+  check(cudaFree(count));
+  pool.deallocate(big, 128 * MiB, 256, writer);
+  pool.deallocate(blocks[1], 64 * MiB, 256, reader);
+  pool.deallocate(blocks[3], 64 * MiB, 256, reader);
+}
+
+TEST_CASE("vm_pool (GPU): destruction gives every byte back to the device") {
+  const std::size_t baseline = cudamem_test::free_device_memory();
+  {
+    vm_pool_resource pool{0};
+    std::vector<void*> blocks;
+    for (int i = 0; i < 32; ++i) {
+      blocks.push_back(pool.allocate(64 * MiB, 256, stream_view{}));
+    }
+    for (int i = 0; i < 32; i += 2) {
+      pool.deallocate(blocks[i], 64 * MiB, 256, stream_view{});
+    }
+    void* big = pool.allocate(512 * MiB, 256, stream_view{});
+    check(cudaMemset(big, 7, 512 * MiB));
+    CHECK(cudamem_test::free_device_memory() < baseline - 2048 * MiB);
+    pool.deallocate(big, 512 * MiB, 256, stream_view{});
+    for (int i = 1; i < 32; i += 2) {
+      pool.deallocate(blocks[i], 64 * MiB, 256, stream_view{});
+    }
+  }
+  const std::size_t after = cudamem_test::free_device_memory();
+  CAPTURE(baseline, after);
+  CHECK(after + 4 * MiB >= baseline);  // events and page tables may cost a little, not memory
+}
+
+TEST_CASE("vm_pool (GPU): swiss cheese over the whole device reuses >= 0.99 of the freed memory") {
+  vm_pool_resource pool{0};
+  std::vector<void*> small;
+  try {
+    for (;;) {
+      small.push_back(pool.allocate(64 * MiB, 256, stream_view{}));
+    }
+  } catch (const out_of_memory&) {
+  }
+  REQUIRE(small.size() >= 4);
+  std::size_t freed = 0;
+  for (std::size_t i = 0; i < small.size(); i += 2) {
+    pool.deallocate(small[i], 64 * MiB, 256, stream_view{});
+    small[i] = nullptr;
+    freed += 64 * MiB;
+  }
+  std::vector<void*> large;
+  try {
+    for (;;) {
+      large.push_back(pool.allocate(128 * MiB, 256, stream_view{}));
+    }
+  } catch (const out_of_memory&) {
+  }
+  const double fraction =
+      static_cast<double>(large.size() * 128 * MiB) / static_cast<double>(freed);
+  std::printf("vm_pool swiss cheese: %zu x 64 MiB, %zu x 128 MiB, fraction %.4f, %zu compaction(s)\n",
+              small.size(), large.size(), fraction, pool.vm_stats().compactions);
+  CHECK(fraction >= 0.99);
+  for (void* p : large) {
+    check(cudaMemset(p, 1, 128 * MiB));  // really usable
+    pool.deallocate(p, 128 * MiB, 256, stream_view{});
+  }
+  for (void* p : small) {
+    if (p != nullptr) {
+      pool.deallocate(p, 64 * MiB, 256, stream_view{});
+    }
+  }
+  CHECK(pool.release() > 0);
+}
+
+TEST_CASE("vm_pool (GPU): peers get access; bad devices and peers are refused") {
+  vm_pool_options own;
+  own.peers = {0};
+  CHECK_THROWS_AS(vm_pool_resource(0, own), std::invalid_argument);
+  vm_pool_options missing;
+  missing.peers = {device_count()};
+  CHECK_THROWS_AS(vm_pool_resource(0, missing), std::out_of_range);
+  CHECK_THROWS_AS(vm_pool_resource(device_count()), std::out_of_range);
+  if (device_count() < 2) {
+    return;
+  }
+  int can = 0;
+  check(cudaDeviceCanAccessPeer(&can, 0, 1));
+  if (can == 0) {
+    return;
+  }
+  vm_pool_options shared;
+  shared.peers = {0};
+  vm_pool_resource pool{1, shared};
+  CHECK(pool.device() == 1);
+  void* p = pool.allocate(4 * MiB, 256, stream_view{});
+  unsigned long long* count = nullptr;
+  check(cudaMalloc(&count, sizeof *count));  // on device 0, the current one
+  check(cudaMemset(count, 0, sizeof *count));
+  check(cudaMemset(p, 3, 4 * MiB));
+  slow_count<<<64, 256>>>(static_cast<unsigned char*>(p), 4 * MiB, 3, 0, count);  // device 0 reads
+  check(cudaDeviceSynchronize());
+  unsigned long long host = 0;
+  check(cudaMemcpy(&host, count, sizeof host, cudaMemcpyDeviceToHost));
+  CHECK(host == 4 * MiB);
+  check(cudaFree(count));
+  pool.deallocate(p, 4 * MiB, 256, stream_view{});
+}
