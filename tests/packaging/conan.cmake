@@ -9,14 +9,21 @@
 cmake_minimum_required(VERSION 3.25)
 include(${CMAKE_CURRENT_LIST_DIR}/packaging_checks.cmake)
 
-find_program(CONAN conan)
-if(CONAN)
-  # A pyenv shim can exist for a Python version that does not have conan: ask it.
-  execute_process(COMMAND ${CONAN} --version RESULT_VARIABLE rc OUTPUT_QUIET ERROR_QUIET)
-  if(NOT rc EQUAL 0)
-    set(CONAN "")
+# `conan` on PATH, or the module of a pip install whose scripts directory is not on PATH.
+find_program(conan_program conan)
+find_program(python_program NAMES python3 python)
+set(CONAN "")
+foreach(candidate "${conan_program}" "${python_program};-m;conans.conan")
+  if(candidate MATCHES "^;|NOTFOUND")
+    continue()
   endif()
-endif()
+  # Also rules out a pyenv shim for a Python version that does not have conan.
+  execute_process(COMMAND ${candidate} --version RESULT_VARIABLE rc OUTPUT_QUIET ERROR_QUIET)
+  if(rc EQUAL 0)
+    set(CONAN "${candidate}")
+    break()
+  endif()
+endforeach()
 if(NOT CONAN)
   message("SKIPPED: conan is not installed (python3 -m pip install conan), "
           "so the Conan package was not tested")
