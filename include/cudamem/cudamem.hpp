@@ -29,6 +29,7 @@
 #include <cudamem/pmr_resource.hpp>
 #include <cudamem/pool_resource.hpp>
 #include <cudamem/primary_context.hpp>
+#include <cudamem/replay.hpp>
 #include <cudamem/retry_adaptor.hpp>
 #include <cudamem/simulated_resource.hpp>
 #include <cudamem/statistics_adaptor.hpp>

@@ -17,8 +17,8 @@
 //     larger_than_device  the request is larger than the device's total memory;
 //     fragmentation       enough is free, in the wrong shape: a pool holds enough free bytes in
 //                         total but no block large enough and the device cannot supply the
-//                         difference, or the device itself has enough free but no free range
-//                         large enough (the leaf reports a `largest_free_block` < the request);
+//                         difference; or the device itself reports enough free memory and yet
+//                         the request failed: its free memory is not in one piece;
 //     held_by_others      memory this chain does not hold (device used - what the chain's leaf
 //                         holds: other processes, other contexts, other resources) is more than
 //                         what the chain holds;
@@ -291,10 +291,10 @@ inline oom_verdict diagnose(const memory_report& r) {
       return oom_verdict::fragmentation;
     }
   }
-  // The device itself fragmented: enough free on it, but the leaf says no free range is large
-  // enough (a simulated first-fit device; on real GPUs virtual memory makes this rare).
-  if (!r.chain.empty() && *r.device_free >= bytes && r.chain.back().stats.largest_free_block &&
-      *r.chain.back().stats.largest_free_block < bytes) {
+  // The device itself fragmented: it has enough free, yet the chain could not get the request
+  // from it, so no free range is large enough (the leaf may say so with largest_free_block; a
+  // simulated first-fit device does). On real GPUs virtual memory makes this rare.
+  if (*r.device_free >= bytes) {
     return oom_verdict::fragmentation;
   }
   // Whoever holds more of the used memory is what stands in the way.
