@@ -403,3 +403,12 @@ TEST_CASE("vm_pool: randomised against a model") {
     CHECK(s.layer.violations == 0);
   }
 }
+
+TEST_CASE("vm_pool: with no device, the real pool throws no_device_error") {
+  if (has_device()) {
+    SUCCEED("a device is present: the GPU tests cover the real pool");
+    return;
+  }
+  CHECK_THROWS_AS(vm_pool_resource{0}, no_device_error);
+  CHECK_THROWS_AS(vm_pool_resource{}, no_device_error);
+}
