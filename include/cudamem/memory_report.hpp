@@ -136,6 +136,10 @@ struct memory_report {
                    format_bytes(*r.stats.largest_free_block) + ".";
           }
         }
+        if (device_free) {
+          return "The device has " + format_bytes(*device_free) + " free, enough for " +
+                 format_bytes(requested_bytes) + ", but no free range that large.";
+        }
         return "Enough memory is free, but not in one piece.";
       case oom_verdict::held_by_others:
         return format_bytes(held_by_others().value_or(0)) +
