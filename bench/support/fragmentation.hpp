@@ -20,6 +20,7 @@
 #include "traces.hpp"
 
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <deque>
 #include <utility>
@@ -90,6 +91,7 @@ struct mixed_spec {
   std::size_t small_max = 0;
   std::size_t smalls_per_step = 3;
   std::size_t large_window = 4;
+  double large_growth = 0.0;   ///< large sizes grow by this fraction per step (batches grow)
   std::uint64_t seed = 42;
   std::size_t max_steps = 1 << 20;
 };
@@ -118,7 +120,9 @@ fragmentation_result mixed(const mixed_spec& spec, Alloc&& alloc, Free&& release
   std::size_t live = 0;
   bool failed = false;
   for (std::size_t step = 0; step < spec.max_steps && !failed; ++step) {
-    const std::size_t big = rng.log_uniform(spec.large_min, spec.large_max);
+    const double scale = std::pow(1.0 + spec.large_growth, static_cast<double>(step));
+    const auto big = static_cast<std::size_t>(
+        static_cast<double>(rng.log_uniform(spec.large_min, spec.large_max)) * scale);
     void* p = alloc(big);
     ++r.ops;
     if (p == nullptr) {

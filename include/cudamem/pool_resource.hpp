@@ -23,6 +23,10 @@
 //   share a chunk, so long-lived small blocks cannot pin the chunks large blocks come and go
 //   in (the classic cause of "2 GiB fails with 6 GiB free"). The pool never holds more than
 //   `maximum_size` from its upstream. `initial_size` is reserved at construction (large tier).
+//   A request of at least growth_step (and initial_size) does not cut a cached free block more
+//   than 1.25 times its size while the upstream can supply a fresh one (the rest would stay
+//   pinned while it lives); and before a new small chunk is taken, wholly free large chunks
+//   go back upstream, so small chunks land where large blocks were rather than between them.
 // - When the upstream fails (or `maximum_size` is reached) the pool asks again for just the
 //   request, then releases every wholly free chunk it holds and asks once more, then looks in
 //   every shard's free blocks; only then it throws `out_of_memory`, whose report carries the
@@ -316,10 +320,13 @@ class pool_resource final : public memory_resource {
   }
 
   /// A block from `sh`'s tier `t`, made ready for `stream`, or nullptr. Caller holds the lock.
+  /// `any_block`: also cut a free block much larger than the request (see oversize_limit).
   void* take(shard& sh, tier t, std::size_t bytes, std::size_t alignment,
-             const stream_view* stream) {
+             const stream_view* stream, bool any_block = false) {
     sh.live.reserve_one();  // the only step that can fail for want of host memory: do it first
-    block* b = sh.tiers[t].allocate(bytes, alignment);
+    block* b = sh.tiers[t].allocate(bytes, alignment,
+                                    any_block ? std::numeric_limits<std::size_t>::max()
+                                              : oversize_limit(bytes));
     if (b == nullptr) {
       return nullptr;
     }
@@ -335,6 +342,19 @@ class pool_resource final : public memory_resource {
     sh.used += b->size;
     sh.peak = std::max(sh.peak, sh.used);
     return reinterpret_cast<void*>(b->address);
+  }
+
+  /// The largest free block a request may cut. Requests of at least `growth_step` (the ones
+  /// that get chunks of their own) and of `initial_size` do not cut a free block more than 1.25 times their size
+  /// while the upstream can still supply: the rest of the block would stay pinned as long as
+  /// the request lives, and large blocks come and go. (PyTorch's allocator has the same rule:
+  /// max_split_size.) Once the upstream is out, any block will do.
+  [[nodiscard]] std::size_t oversize_limit(std::size_t bytes) const noexcept {
+    if (bytes < options_.growth_step || bytes < options_.initial_size) {
+      return std::numeric_limits<std::size_t>::max();
+    }
+    const std::size_t size = round_up(bytes);
+    return size + size / 4;
   }
 
   /// The slow path: more memory from the upstream, or from elsewhere in the pool.
@@ -354,6 +374,12 @@ class pool_resource final : public memory_resource {
         break;
       }
       const std::size_t size = attempt == 0 ? preferred : needed;
+      if (attempt == 0 && t == small_tier) {
+        // Make room where cached large chunks are, rather than beside them: a new small chunk
+        // then lands where a first-fit upstream would put it, and cached large chunks do not
+        // push small ones out between future large blocks. (Cheap when there are none.)
+        release_free_chunks(&home, large_tier);
+      }
       const std::lock_guard lock(home.mutex);
       if (obtain_chunk(home, t, size, cause)) {
         if (void* p = take(home, t, bytes, alignment, stream)) {
@@ -366,7 +392,7 @@ class pool_resource final : public memory_resource {
       shard& sh = *shards_[(detail::pool_thread_slot() + i) & shard_mask_];
       const std::lock_guard lock(sh.mutex);
       for (tier other : {t, t == small_tier ? large_tier : small_tier}) {
-        if (void* p = take(sh, other, bytes, alignment, stream)) {
+        if (void* p = take(sh, other, bytes, alignment, stream, true)) {
           return p;
         }
       }
@@ -581,20 +607,23 @@ class pool_resource final : public memory_resource {
     bool pending;
   };
 
-  std::size_t release_free_chunks() noexcept {
+  /// Returns the wholly free chunks (of shard `only` and tier `only_tier`, when given).
+  std::size_t release_free_chunks(const shard* only = nullptr, int only_tier = -1) noexcept {
     std::vector<returned_chunk> chunks;
     try {
       for (auto& sh : shards_) {
+        if (only != nullptr && sh.get() != only) {
+          continue;
+        }
         const std::lock_guard lock(sh->mutex);
         for (heap& h : sh->tiers) {
-          for (auto* r = h.first_region(); r != nullptr;) {
-            auto* next = r->next;
-            if (heap::is_wholly_free(r)) {
-              chunks.reserve(chunks.size() + 1);  // may throw: the region is still held
-              chunks.push_back({r->base, r->size, !r->first->tag.empty()});
-              h.remove_region(r);
-            }
-            r = next;
+          if (only_tier >= 0 && &h != &sh->tiers[only_tier]) {
+            continue;
+          }
+          while (auto* r = h.first_idle_region()) {
+            chunks.reserve(chunks.size() + 1);  // may throw: the region is still held
+            chunks.push_back({r->base, r->size, !r->first->tag.empty()});
+            h.remove_region(r);
           }
         }
       }

@@ -30,7 +30,7 @@
 // Contract
 // - All sizes and addresses are multiples of `granule` (a power of two). Region bases must be
 //   granule-aligned; region sizes are rounded down to the granule.
-// - allocate(bytes, alignment) returns a block of exactly round_up(bytes, granule) bytes whose
+// - allocate(bytes, alignment[, largest_split]) returns a block of exactly round_up(bytes, granule) bytes whose
 //   address is aligned to `alignment` (any power of two), or nullptr when no free block can
 //   hold it. It throws only std::bad_alloc (host memory for nodes), leaving the heap unchanged.
 // - free(b) takes a block allocate() returned and not yet freed; it is noexcept.
@@ -83,6 +83,8 @@ struct tlsf_region {
   tlsf_block<Tag>* last = nullptr;
   tlsf_region* prev = nullptr;
   tlsf_region* next = nullptr;
+  tlsf_region* prev_idle = nullptr;  ///< links in the heap's list of wholly free regions
+  tlsf_region* next_idle = nullptr;
   std::uint32_t owner = 0;  ///< free for the user (pool_resource: which tier the region is in)
 };
 
@@ -193,8 +195,16 @@ class tlsf_heap {
   [[nodiscard]] region* first_region() const noexcept { return regions_; }
   [[nodiscard]] std::size_t region_count() const noexcept { return region_count_; }
 
-  /// A block of round_up(bytes, granule) bytes aligned to `alignment`, or nullptr.
-  [[nodiscard]] block* allocate(std::size_t bytes, std::size_t alignment) {
+  /// The wholly free regions (`for (r = first_idle_region(); r; r = r->next_idle)`): what a
+  /// pool can hand back upstream, found without looking at the others.
+  [[nodiscard]] region* first_idle_region() const noexcept { return idle_; }
+  [[nodiscard]] std::size_t idle_region_count() const noexcept { return idle_count_; }
+
+  /// A block of round_up(bytes, granule) bytes aligned to `alignment`, or nullptr. With
+  /// `largest_split`, a free block larger than that is not cut (nullptr instead): the caller
+  /// would rather get fresh memory than leave a large remainder pinned by a long-lived block.
+  [[nodiscard]] block* allocate(std::size_t bytes, std::size_t alignment,
+                                std::size_t largest_split = std::numeric_limits<std::size_t>::max()) {
     const std::size_t size = round_up(bytes);
     if (size == 0) {
       return nullptr;  // bytes == 0 or rounding overflowed: nothing can hold it
@@ -205,7 +215,7 @@ class tlsf_heap {
     }
     reserve_nodes(2);  // the two splits below must not fail half-way
     block* b = find_free(size + padding, size, alignment);
-    if (b == nullptr) {
+    if (b == nullptr || b->size > largest_split) {
       return nullptr;
     }
     remove_free(b);
@@ -351,6 +361,16 @@ class tlsf_heap {
     second_level_map_[c.first] |= std::uint32_t{1} << c.second;
     free_bytes_ += b->size;
     ++free_blocks_;
+    if (b->prev_phys == nullptr && b->next_phys == nullptr) {  // the region is wholly free
+      region* r = b->region;
+      r->prev_idle = nullptr;
+      r->next_idle = idle_;
+      if (idle_ != nullptr) {
+        idle_->prev_idle = r;
+      }
+      idle_ = r;
+      ++idle_count_;
+    }
   }
 
   void remove_free(block* b) noexcept {
@@ -372,6 +392,14 @@ class tlsf_heap {
     b->free = false;
     free_bytes_ -= b->size;
     --free_blocks_;
+    if (b->prev_phys == nullptr && b->next_phys == nullptr) {  // the region was wholly free
+      region* r = b->region;
+      (r->prev_idle != nullptr ? r->prev_idle->next_idle : idle_) = r->next_idle;
+      if (r->next_idle != nullptr) {
+        r->next_idle->prev_idle = r->prev_idle;
+      }
+      --idle_count_;
+    }
   }
 
   // --- splitting and merging ----------------------------------------------------------------
@@ -439,6 +467,8 @@ class tlsf_heap {
   block* heads_[first_level_count][second_level_count] = {};
   region* regions_ = nullptr;
   std::size_t region_count_ = 0;
+  region* idle_ = nullptr;
+  std::size_t idle_count_ = 0;
   std::size_t total_bytes_ = 0;
   std::size_t free_bytes_ = 0;
   std::size_t free_blocks_ = 0;
