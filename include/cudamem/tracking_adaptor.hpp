@@ -33,7 +33,8 @@
 //                                              and it is reported as a leak if none comes).
 //   `bad_frees()` counts them.
 // - Thread-safe: one mutex guards the record; the upstream is called outside it.
-// - Cost: one hash-map insert and erase per allocation, under the mutex.
+// - Cost: one hash-map insert and erase per allocation, under the mutex, with the map's nodes
+//   recycled so that no host memory is allocated per request once warm.
 #pragma once
 
 #include <cudamem/detail/adaptor_base.hpp>
@@ -47,7 +48,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
-#include <deque>
 #include <mutex>
 #include <optional>
 #include <source_location>
@@ -125,7 +125,7 @@ struct leak_report {
 class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
  public:
   /// How many recent frees are remembered to tell a double free from a stray pointer.
-  static constexpr std::size_t remembered_frees = 4096;
+  static constexpr std::size_t remembered_frees = 1024;
 
   explicit tracking_adaptor(memory_resource& upstream)
       : adaptor_base(upstream), start_(std::chrono::steady_clock::now()) {}
@@ -210,8 +210,7 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
     try {
       const std::lock_guard lock(mutex_);
       record.sequence = next_sequence_++;
-      freed_.erase(p);  // the upstream reused the address: it is no longer "already freed"
-      const auto [it, inserted] = live_.try_emplace(p, record);
+      const auto [it, inserted] = insert_live(record);
       if (!inserted) {  // the upstream handed out a live pointer twice: its bug, not the user's
         displaced = it->second;
         used_bytes_ -= it->second.bytes;
@@ -247,12 +246,12 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
           found = verdict::good;
           used_bytes_ -= bytes;
           remember_free(record);
-          live_.erase(it);
+          recycle(live_.extract(it));
         } else {
           found = verdict::mismatch;
         }
-      } else if (const auto freed = freed_.find(p); freed != freed_.end()) {
-        record = freed->second;
+      } else if (const allocation_record* freed = find_recent_free(p)) {
+        record = *freed;
         found = verdict::double_free;
       }
     }
@@ -289,23 +288,62 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
     }
   }
 
-  /// Keeps `record` among the recent frees (mutex held). If the map cannot grow, the free
+  // Speed: the record is a hash map from pointer to allocation_record. Its nodes are recycled
+  // (extracted on free, reused on the next allocation), so the steady state allocates no host
+  // memory per request; recent frees live in a fixed ring, searched only when a free is bad.
+
+  using live_map = std::unordered_map<void*, allocation_record>;
+
+  /// Inserts `record` into the live map, reusing a spare node when there is one (mutex held).
+  std::pair<live_map::iterator, bool> insert_live(const allocation_record& record) {
+    if (spare_nodes_.empty()) {
+      return live_.try_emplace(record.pointer, record);
+    }
+    live_map::node_type node = std::move(spare_nodes_.back());
+    spare_nodes_.pop_back();
+    node.key() = record.pointer;
+    node.mapped() = record;
+    auto result = live_.insert(std::move(node));
+    if (!result.inserted) {
+      recycle(std::move(result.node));
+    }
+    return {result.position, result.inserted};
+  }
+
+  /// Keeps a freed node for the next allocation (mutex held); a bounded number of them.
+  void recycle(live_map::node_type node) noexcept {
+    if (spare_nodes_.size() < max_spare_nodes) {
+      try {
+        spare_nodes_.push_back(std::move(node));
+      } catch (...) {  // no room to keep it: the node is simply freed
+      }
+    }
+  }
+
+  /// Keeps `record` among the recent frees (mutex held). If the ring cannot grow, the free
   /// still happens; only the double-free diagnosis for this pointer is lost.
   void remember_free(const allocation_record& record) noexcept {
-    try {
-      freed_order_.emplace_back(record.pointer, record.sequence);
-      freed_.insert_or_assign(record.pointer, record);
-      while (freed_order_.size() > remembered_frees) {
-        const auto [old_pointer, old_sequence] = freed_order_.front();
-        freed_order_.pop_front();
-        // The same address may have been freed again since; forget only this old free.
-        if (const auto it = freed_.find(old_pointer);
-            it != freed_.end() && it->second.sequence == old_sequence) {
-          freed_.erase(it);
-        }
+    if (recent_frees_.size() < remembered_frees) {
+      try {
+        recent_frees_.push_back(record);
+      } catch (...) {
       }
-    } catch (...) {
+      return;
     }
+    recent_frees_[next_recent_free_] = record;
+    next_recent_free_ = (next_recent_free_ + 1) % remembered_frees;
+  }
+
+  /// The most recent remembered free of `p`, or null (mutex held). Linear, but only bad frees
+  /// get here.
+  const allocation_record* find_recent_free(const void* p) const noexcept {
+    const allocation_record* latest = nullptr;
+    for (const allocation_record& r : recent_frees_) {
+      if (r.pointer == p && (latest == nullptr || r.sequence > latest->sequence)) {
+        latest = &r;
+      }
+    }
+    return latest;
   }
 
   static std::string describe(const void* p) {
@@ -325,9 +363,11 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
 
   const std::chrono::steady_clock::time_point start_;
   mutable std::mutex mutex_;
-  std::unordered_map<void*, allocation_record> live_;   // guarded by mutex_
-  std::unordered_map<void*, allocation_record> freed_;  // recent frees, guarded by mutex_
-  std::deque<std::pair<void*, std::uint64_t>> freed_order_;  // oldest first, guarded by mutex_
+  static constexpr std::size_t max_spare_nodes = 4096;
+  live_map live_;                                  // guarded by mutex_
+  std::vector<live_map::node_type> spare_nodes_;  // guarded by mutex_
+  std::vector<allocation_record> recent_frees_;    // a ring once full, guarded by mutex_
+  std::size_t next_recent_free_ = 0;               // the ring's oldest entry, guarded by mutex_
   std::uint64_t next_sequence_ = 0;                     // guarded by mutex_
   std::size_t used_bytes_ = 0;                          // guarded by mutex_
   std::size_t peak_used_bytes_ = 0;                     // guarded by mutex_

@@ -1,0 +1,165 @@
+// bench_adaptors — what each adaptor costs on top of the pool it wraps, in ns per operation,
+// on the standard traces (DESIGN.md): over a pool on a simulated device (CPU only: the pool's
+// own logic, no CUDA), and over a pool on real device memory when there is a GPU.
+//
+//   bench_adaptors [--repeat N] [--cpu-only]
+//
+// For each trace and stack: the median ns/op of N timed replays (after one warm-up replay, so
+// the pool has reserved what the trace needs), the difference to the bare pool (+ns/op), and
+// the ratio. Targets (issue 5): statistics <= +10 ns/op, tracking <= 2x the pool's cost.
+// The stacks: pool; statistics, limiting, tracking, logging (to a stream that discards: the
+// cost of formatting and locking, not of a disk), retry — each alone over the pool; and the
+// chain tracking -> statistics -> limiting -> pool.
+#include <cudamem/device.hpp>
+#include <cudamem/device_resource.hpp>
+#include <cudamem/limiting_adaptor.hpp>
+#include <cudamem/logging_adaptor.hpp>
+#include <cudamem/pool_resource.hpp>
+#include <cudamem/retry_adaptor.hpp>
+#include <cudamem/simulated_resource.hpp>
+#include <cudamem/statistics_adaptor.hpp>
+#include <cudamem/stream.hpp>
+#include <cudamem/tracking_adaptor.hpp>
+
+#include "traces.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <ostream>
+#include <streambuf>
+#include <string>
+#include <vector>
+
+namespace {
+
+using cudamem::memory_resource;
+
+/// A stream buffer that throws everything away (so logging is timed without a disk).
+class discard_buffer final : public std::streambuf {
+ protected:
+  std::streamsize xsputn(const char* /*s*/, std::streamsize n) override { return n; }
+  int_type overflow(int_type c) override { return traits_type::not_eof(c); }
+};
+
+/// Median ns per operation of `repeat` replays of `t` through `mr` (after one warm-up).
+double time_trace(const cudamem_bench::trace& t, memory_resource& mr,
+                  std::optional<cudamem::stream_view> stream, int repeat) {
+  std::vector<void*> slots(t.blocks);
+  auto run = [&] {
+    if (stream) {
+      cudamem_bench::replay(
+          t, slots, [&](std::size_t n) { return mr.allocate(n, 256, *stream); },
+          [&](void* p, std::size_t n) { mr.deallocate(p, n, 256, *stream); });
+    } else {
+      cudamem_bench::replay(
+          t, slots, [&](std::size_t n) { return mr.allocate(n); },
+          [&](void* p, std::size_t n) { mr.deallocate(p, n); });
+    }
+  };
+  run();  // warm-up: the pool reserves what the trace needs
+  std::vector<double> ns;
+  for (int r = 0; r < repeat; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    run();
+    const auto end = std::chrono::steady_clock::now();
+    ns.push_back(std::chrono::duration<double, std::nano>(end - start).count() /
+                 static_cast<double>(t.ops.size()));
+  }
+  std::sort(ns.begin(), ns.end());
+  return ns[ns.size() / 2];
+}
+
+/// Times every stack over `pool` on the single-thread standard traces and prints the table.
+void measure(const char* title, memory_resource& pool, std::optional<cudamem::stream_view> stream,
+             int repeat) {
+  discard_buffer discard;
+  std::ostream nowhere{&discard};
+
+  struct stack {
+    const char* name;
+    std::function<std::unique_ptr<memory_resource>()> make;  // null: the bare pool
+  };
+  std::vector<std::unique_ptr<memory_resource>> keep;  // inner parts of the chain
+  const std::vector<stack> stacks = {
+      {"pool", nullptr},
+      {"statistics", [&] { return std::make_unique<cudamem::statistics_adaptor>(pool); }},
+      {"limiting",
+       [&] { return std::make_unique<cudamem::limiting_adaptor>(pool, std::size_t{1} << 50); }},
+      {"tracking", [&] { return std::make_unique<cudamem::tracking_adaptor>(pool); }},
+      {"logging", [&] { return std::make_unique<cudamem::logging_adaptor>(pool, nowhere); }},
+      {"retry",
+       [&] {
+         return std::make_unique<cudamem::retry_adaptor>(
+             pool, [](const cudamem::out_of_memory&) { return false; });
+       }},
+      {"chain t>s>l>pool",
+       [&]() -> std::unique_ptr<memory_resource> {
+         keep.push_back(std::make_unique<cudamem::limiting_adaptor>(pool, std::size_t{1} << 50));
+         keep.push_back(std::make_unique<cudamem::statistics_adaptor>(*keep.back()));
+         return std::make_unique<cudamem::tracking_adaptor>(*keep.back());
+       }},
+  };
+
+  std::printf("\n%s — ns/op, median of %d (+ns/op over the pool, ratio)\n", title, repeat);
+  std::printf("%-22s %-18s %10s %10s %8s\n", "trace", "stack", "ns/op", "+ns/op", "ratio");
+  for (const cudamem_bench::trace_spec& spec : cudamem_bench::standard_traces()) {
+    if (spec.threads != 1 || spec.name == "random_1KiB-64MiB") {
+      continue;  // single-thread traces within a 2 GiB cap: the adaptors' cost, not the device's
+    }
+    const cudamem_bench::trace t = cudamem_bench::make_trace(spec);
+    double pool_ns = 0;
+    for (const stack& s : stacks) {
+      std::unique_ptr<memory_resource> top = s.make ? s.make() : nullptr;
+      const double ns = time_trace(t, top ? *top : pool, stream, repeat);
+      if (!s.make) {
+        pool_ns = ns;
+      }
+      std::printf("%-22s %-18s %10.1f %+10.1f %7.2fx\n", spec.name.c_str(), s.name, ns,
+                  ns - pool_ns, pool_ns > 0 ? ns / pool_ns : 0.0);
+      top.reset();
+      keep.clear();
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int repeat = 5;
+  bool cpu_only = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--repeat" && i + 1 < argc) {
+      repeat = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--cpu-only") {
+      cpu_only = true;
+    } else {
+      std::fprintf(stderr, "usage: bench_adaptors [--repeat N] [--cpu-only]\n");
+      return 1;
+    }
+  }
+  {
+    cudamem::simulated_resource device{{.capacity = std::size_t{80} << 30,
+                                        .layout = cudamem::simulated_layout::paged}};
+    cudamem::pool_resource pool{device, {.shards = 1}};
+    measure("pool over a simulated 80 GiB device (CPU; synchronous forms)", pool, std::nullopt,
+            repeat);
+  }
+  if (cpu_only) {
+    return 0;
+  }
+  if (cudamem::device_count() == 0) {
+    std::printf("\nGPU part SKIPPED: no CUDA device\n");
+    return 0;
+  }
+  cudamem::device_resource device;
+  cudamem::pool_resource pool{device, {.shards = 1}};
+  cudamem::stream s;
+  measure("pool over device memory (GPU; stream-ordered on one stream)", pool, s, repeat);
+  s.synchronize();
+  return 0;
+}
