@@ -1,0 +1,366 @@
+// bench/pool.cu — pool_resource and arena_resource against their peers on the standard traces
+// of DESIGN.md, all in one run on one device: ns per operation (median of the reps) and the
+// ratio of each peer to the pool.
+//
+//   ./run bench pool                   # on a GPU machine
+//   ./run bench pool --simulated       # no GPU: the pool and arena over a simulated device,
+//                                      # i.e. the host-side cost of their bookkeeping
+//   options: --reps N (default 7), --trace NAME (only that trace)
+//
+// Peers: cudaMalloc/cudaFree; cudaMallocAsync/cudaFreeAsync on the device's default memory
+// pool with release threshold UINT64_MAX; cub::CachingDeviceAllocator(8, 3, 22, 64 GiB);
+// thrust::mr::disjoint_unsynchronized_pool_resource (default options, over
+// thrust::device_memory_resource; single-thread traces only, it is not thread-safe). The
+// stream-aware ones (pool, cudaMallocAsync, CUB) run on one non-default stream (mt16: one per
+// thread). Each allocator replays each trace once untimed (so every cache is warm: the steady
+// state), then `reps` timed runs; every block is freed at the end of each run, and each
+// allocator is destroyed (its cache emptied) before the next one starts.
+// The arena is measured where it fits: every allocation of the trace from one arena (frees are
+// no-ops), rewound after each run; a row is "-" when the trace's bytes exceed a quarter of the
+// device. With no GPU and no --simulated it prints one line and exits 69.
+#include <cudamem/arena_resource.hpp>
+#include <cudamem/device_resource.hpp>
+#include <cudamem/pool_resource.hpp>
+#include <cudamem/simulated_resource.hpp>
+#include <cudamem/stream.hpp>
+
+#include "traces.hpp"
+
+#include <cub/util_allocator.cuh>
+#include <thrust/device_ptr.h>
+#include <thrust/mr/device_memory_resource.h>
+#include <thrust/mr/disjoint_pool.h>
+#include <thrust/mr/new.h>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace cudamem_bench;
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+void require(cudaError_t code, const char* what) {
+  if (code != cudaSuccess) {
+    std::fprintf(stderr, "bench_pool: %s: %s\n", what, cudaGetErrorString(code));
+    std::exit(1);
+  }
+}
+
+/// Median ns/op of `reps` timed runs of `run_once` (after one untimed run). `run_once` returns
+/// the number of operations it made and its own elapsed ns.
+template <class Run>
+double median_ns_per_op(int reps, Run&& run_once) {
+  run_once();  // warm-up: caches filled, pages touched
+  std::vector<double> samples;
+  for (int i = 0; i < reps; ++i) {
+    const auto [ops, ns] = run_once();
+    samples.push_back(ns / static_cast<double>(ops));
+  }
+  std::sort(samples.begin(), samples.end());
+  return samples[samples.size() / 2];
+}
+
+/// Replays the traces of `spec` (one per thread) through alloc/release; returns {ops, wall ns}.
+template <class MakeWorker>
+std::pair<std::size_t, double> timed_replay(const std::vector<trace>& traces, MakeWorker&& make_worker) {
+  const std::size_t threads = traces.size();
+  std::size_t ops = 0;
+  for (const trace& t : traces) {
+    ops += t.ops.size();
+  }
+  if (threads == 1) {
+    auto worker = make_worker(0);
+    std::vector<void*> slots(traces[0].blocks);
+    const auto start = clock_type::now();
+    replay(traces[0], slots, [&](std::size_t n) { return worker.allocate(n); },
+           [&](void* p, std::size_t n) { worker.deallocate(p, n); });
+    worker.finish();
+    return {ops, std::chrono::duration<double, std::nano>(clock_type::now() - start).count()};
+  }
+  std::atomic<std::size_t> ready{0};
+  std::atomic<bool> go{false};
+  std::vector<std::thread> pool;
+  for (std::size_t i = 0; i < threads; ++i) {
+    pool.emplace_back([&, i] {
+      auto worker = make_worker(i);
+      std::vector<void*> slots(traces[i].blocks);
+      ready.fetch_add(1);
+      while (!go.load(std::memory_order_acquire)) {
+      }
+      replay(traces[i], slots, [&](std::size_t n) { return worker.allocate(n); },
+             [&](void* p, std::size_t n) { worker.deallocate(p, n); });
+      worker.finish();
+    });
+  }
+  while (ready.load() != threads) {
+  }
+  const auto start = clock_type::now();
+  go.store(true, std::memory_order_release);
+  for (auto& t : pool) {
+    t.join();
+  }
+  return {ops, std::chrono::duration<double, std::nano>(clock_type::now() - start).count()};
+}
+
+// --- the allocators, each as a per-thread "worker" with allocate/deallocate/finish ---------------
+
+struct resource_worker {
+  cudamem::memory_resource* mr;
+  cudaStream_t stream;
+  void* allocate(std::size_t n) { return mr->allocate(n, 256, stream); }
+  void deallocate(void* p, std::size_t n) { mr->deallocate(p, n, 256, stream); }
+  void finish() {}
+};
+
+struct arena_worker {
+  cudamem::arena_resource* arena;
+  void* allocate(std::size_t n) { return arena->allocate(n, 256); }
+  void deallocate(void* p, std::size_t n) { arena->deallocate(p, n, 256); }
+  void finish() { arena->rewind({}); }
+};
+
+struct cuda_malloc_worker {
+  void* allocate(std::size_t n) {
+    void* p = nullptr;
+    require(cudaMalloc(&p, n), "cudaMalloc");
+    return p;
+  }
+  void deallocate(void* p, std::size_t) { require(cudaFree(p), "cudaFree"); }
+  void finish() {}
+};
+
+struct malloc_async_worker {
+  cudaStream_t stream;
+  void* allocate(std::size_t n) {
+    void* p = nullptr;
+    require(cudaMallocAsync(&p, n, stream), "cudaMallocAsync");
+    return p;
+  }
+  void deallocate(void* p, std::size_t) { require(cudaFreeAsync(p, stream), "cudaFreeAsync"); }
+  void finish() { require(cudaStreamSynchronize(stream), "cudaStreamSynchronize"); }
+};
+
+struct cub_worker {
+  cub::CachingDeviceAllocator* cub;
+  cudaStream_t stream;
+  void* allocate(std::size_t n) {
+    void* p = nullptr;
+    require(cub->DeviceAllocate(&p, n, stream), "CUB DeviceAllocate");
+    return p;
+  }
+  void deallocate(void* p, std::size_t) { require(cub->DeviceFree(p), "CUB DeviceFree"); }
+  void finish() {}
+};
+
+using thrust_pool = thrust::mr::disjoint_unsynchronized_pool_resource<thrust::device_memory_resource,
+                                                                      thrust::mr::new_delete_resource>;
+struct thrust_worker {
+  thrust_pool* pool;
+  void* allocate(std::size_t n) { return pool->do_allocate(n, 256).get(); }
+  void deallocate(void* p, std::size_t n) {
+    pool->do_deallocate(thrust::device_ptr<void>(p), n, 256);
+  }
+  void finish() {}
+};
+
+struct options {
+  bool simulated = false;
+  int reps = 7;
+  std::string only;
+};
+
+options parse(int argc, char** argv) {
+  options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--simulated") {
+      o.simulated = true;
+    } else if (a == "--reps" && i + 1 < argc) {
+      o.reps = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--trace" && i + 1 < argc) {
+      o.only = argv[++i];
+    } else {
+      std::fprintf(stderr, "usage: bench_pool [--simulated] [--reps N] [--trace NAME]\n");
+      std::exit(2);
+    }
+  }
+  return o;
+}
+
+std::size_t allocated_bytes(const std::vector<trace>& traces) {
+  std::size_t total = 0;
+  for (const trace& t : traces) {
+    for (const trace_op& op : t.ops) {
+      total += op.allocate ? (op.bytes + 255) / 256 * 256 : 0;
+    }
+  }
+  return total;
+}
+
+void print_row(const std::string& trace_name, const std::vector<std::string>& names,
+               const std::map<std::string, double>& results) {
+  std::printf("%-24s", trace_name.c_str());
+  for (const std::string& n : names) {
+    auto it = results.find(n);
+    if (it == results.end()) {
+      std::printf(" %14s", "-");
+    } else {
+      std::printf(" %14.1f", it->second);
+    }
+  }
+  std::printf("\n");
+  const auto pool = results.find("pool");
+  if (pool == results.end()) {
+    return;
+  }
+  std::printf("%-24s", "  peer / pool");
+  for (const std::string& n : names) {
+    auto it = results.find(n);
+    if (it == results.end() || n == "pool") {
+      std::printf(" %14s", "-");
+    } else {
+      std::printf(" %13.1fx", it->second / pool->second);
+    }
+  }
+  std::printf("\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const options opt = parse(argc, argv);
+  int devices = 0;
+  const cudaError_t probe = cudaGetDeviceCount(&devices);
+  if (!opt.simulated && (probe != cudaSuccess || devices == 0)) {
+    std::printf("SKIPPED: no CUDA device (%s); run with --simulated for the host-side cost\n",
+                probe != cudaSuccess ? cudaGetErrorName(probe) : "0 devices");
+    return 69;
+  }
+  static_cast<void>(cudaGetLastError());
+
+  const std::vector<std::string> names =
+      opt.simulated ? std::vector<std::string>{"pool", "arena"}
+                    : std::vector<std::string>{"pool", "arena", "cudaMalloc", "cudaMallocAsync",
+                                               "CUB", "thrust"};
+  std::size_t device_free = 0;
+  std::size_t device_total = 0;
+  if (opt.simulated) {
+    std::printf("bench_pool: simulated device (no GPU): host-side cost of the bookkeeping only\n");
+  } else {
+    cudaDeviceProp prop{};
+    require(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+    require(cudaMemGetInfo(&device_free, &device_total), "cudaMemGetInfo");
+    std::printf("bench_pool: %s, %.1f GiB free of %.1f GiB, %u host threads\n", prop.name,
+                static_cast<double>(device_free) / GiB, static_cast<double>(device_total) / GiB,
+                std::thread::hardware_concurrency());
+  }
+  std::printf("ns per operation, median of %d runs (mt16: wall time over all threads' ops)\n",
+              opt.reps);
+  std::printf("%-24s", "trace");
+  for (const std::string& n : names) {
+    std::printf(" %14s", n.c_str());
+  }
+  std::printf("\n");
+
+  for (const trace_spec& spec : standard_traces()) {
+    if (!opt.only.empty() && spec.name != opt.only) {
+      continue;
+    }
+    std::vector<trace> traces;
+    for (unsigned t = 0; t < spec.threads; ++t) {
+      traces.push_back(make_trace(spec, t));
+    }
+    const bool multi = spec.threads > 1;
+    std::map<std::string, double> results;
+    std::vector<cudaStream_t> streams(spec.threads, nullptr);
+    if (!opt.simulated) {
+      for (auto& s : streams) {
+        require(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+      }
+    }
+    auto stream_of = [&](std::size_t i) { return streams[i]; };
+
+    // --- cudamem pool ---
+    {
+      std::unique_ptr<cudamem::memory_resource> upstream;
+      if (opt.simulated) {
+        upstream = std::make_unique<cudamem::simulated_resource>(cudamem::simulated_options{
+            .capacity = std::size_t{1} << 44, .layout = cudamem::simulated_layout::paged});
+      } else {
+        upstream = std::make_unique<cudamem::device_resource>(0);
+      }
+      cudamem::pool_resource pool{*upstream};
+      results["pool"] = median_ns_per_op(opt.reps, [&] {
+        return timed_replay(traces, [&](std::size_t i) { return resource_worker{&pool, stream_of(i)}; });
+      });
+    }
+    // --- cudamem arena (allocation cost; where it fits) ---
+    const std::size_t arena_bytes = allocated_bytes(traces);
+    if (!multi && (opt.simulated || arena_bytes < device_free / 4)) {
+      std::unique_ptr<cudamem::memory_resource> upstream;
+      if (opt.simulated) {
+        upstream = std::make_unique<cudamem::simulated_resource>(cudamem::simulated_options{
+            .capacity = std::size_t{1} << 44, .layout = cudamem::simulated_layout::paged});
+      } else {
+        upstream = std::make_unique<cudamem::device_resource>(0);
+      }
+      cudamem::arena_resource arena{*upstream, {.initial_chunk_size = std::size_t{64} << 20}};
+      results["arena"] = median_ns_per_op(opt.reps, [&] {
+        return timed_replay(traces, [&](std::size_t) { return arena_worker{&arena}; });
+      });
+    }
+    if (!opt.simulated) {
+      results["cudaMalloc"] = median_ns_per_op(opt.reps, [&] {
+        return timed_replay(traces, [&](std::size_t) { return cuda_malloc_worker{}; });
+      });
+      {
+        cudaMemPool_t mempool = nullptr;
+        require(cudaDeviceGetDefaultMemPool(&mempool, 0), "cudaDeviceGetDefaultMemPool");
+        std::uint64_t threshold = UINT64_MAX;
+        require(cudaMemPoolSetAttribute(mempool, cudaMemPoolAttrReleaseThreshold, &threshold),
+                "cudaMemPoolSetAttribute");
+        results["cudaMallocAsync"] = median_ns_per_op(opt.reps, [&] {
+          return timed_replay(traces, [&](std::size_t i) { return malloc_async_worker{stream_of(i)}; });
+        });
+        require(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+        require(cudaMemPoolTrimTo(mempool, 0), "cudaMemPoolTrimTo");
+      }
+      {
+        cub::CachingDeviceAllocator cub(8, 3, 22, std::size_t{64} << 30);
+        results["CUB"] = median_ns_per_op(opt.reps, [&] {
+          return timed_replay(traces, [&](std::size_t i) { return cub_worker{&cub, stream_of(i)}; });
+        });
+        require(cub.FreeAllCached(), "CUB FreeAllCached");
+      }
+      if (!multi) {
+        thrust::device_memory_resource upstream;
+        thrust::mr::new_delete_resource bookkeeper;
+        thrust_pool pool(&upstream, &bookkeeper);
+        results["thrust"] = median_ns_per_op(opt.reps, [&] {
+          return timed_replay(traces, [&](std::size_t) { return thrust_worker{&pool}; });
+        });
+        pool.release();
+      }
+      for (auto s : streams) {
+        require(cudaStreamDestroy(s), "cudaStreamDestroy");
+      }
+    }
+    print_row(spec.name, names, results);
+  }
+  return 0;
+}
