@@ -23,6 +23,9 @@ file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
 set(consumer_args -DCMAKE_BUILD_TYPE=Release)
 set(prefix_path ${PREFIX_PATH})
+# Lists (search paths, architectures) cannot pass through execute_process's argument list
+# intact, so they go to the configure steps in initial-cache files (cmake -C).
+file(WRITE ${WORK_DIR}/dependencies.cmake "set(CMAKE_PREFIX_PATH \"${PREFIX_PATH}\" CACHE PATH \"\")\n")
 
 if(MODE STREQUAL "install")
   set(prefix ${WORK_DIR}/prefix)
@@ -42,7 +45,7 @@ elseif(MODE STREQUAL "vcpkg")
     message(FATAL_ERROR "the portfile does not turn the tests off: ${port_options}")
   endif()
   packaging_run(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${WORK_DIR}/port-build -G ${GENERATOR}
-    -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=${packages} "-DCMAKE_PREFIX_PATH=${PREFIX_PATH}"
+    -DCMAKE_BUILD_TYPE=Release -DCMAKE_INSTALL_PREFIX=${packages} -C ${WORK_DIR}/dependencies.cmake
     ${port_options})
   # With everything off, configuring must not have needed the CUDA compiler.
   file(STRINGS ${WORK_DIR}/port-build/CMakeCache.txt cuda_compiler_line REGEX "^CMAKE_CUDA_COMPILER:")
@@ -87,13 +90,14 @@ endif()
 
 # --- the consumer ------------------------------------------------------------------------------
 set(consumer_build ${WORK_DIR}/consumer-build)
+file(WRITE ${WORK_DIR}/consumer.cmake "set(CMAKE_PREFIX_PATH \"${prefix_path}\" CACHE PATH \"\")\n")
 if(CUDA_ARCHITECTURES)
-  list(APPEND consumer_args -DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCHITECTURES})
+  file(APPEND ${WORK_DIR}/consumer.cmake
+       "set(CMAKE_CUDA_ARCHITECTURES \"${CUDA_ARCHITECTURES}\" CACHE STRING \"\")\n")
 endif()
-string(REPLACE ";" "\\;" prefix_path_arg "${prefix_path}")
 packaging_request_codemodel(${consumer_build})
 packaging_run(${CMAKE_COMMAND} -S ${CMAKE_CURRENT_LIST_DIR}/consumer -B ${consumer_build}
-  -G ${GENERATOR} -DCMAKE_CUDA_COMPILER=${CUDA_COMPILER} "-DCMAKE_PREFIX_PATH=${prefix_path_arg}"
+  -G ${GENERATOR} -DCMAKE_CUDA_COMPILER=${CUDA_COMPILER} -C ${WORK_DIR}/consumer.cmake
   ${consumer_args})
 packaging_run(${CMAKE_COMMAND} --build ${consumer_build})
 
