@@ -59,6 +59,10 @@
 #include <string>
 #include <string_view>
 
+#if CUDART_VERSION < 12050
+#error "cudamem's driver layer needs CUDA 12.5 or newer (cudaGetDriverEntryPointByVersion)."
+#endif
+
 namespace cudamem {
 
 // The runtime codes are the driver codes renumbered to match: cudamem converts by value.
