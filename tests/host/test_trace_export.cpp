@@ -96,7 +96,8 @@ TEST_CASE("an empty trace is still valid JSON; frees of unknown pointers are ign
   std::istringstream in{"F,5,1,sync,0x40,8,8,\nA,6,1,sync,0x80,8,8,\n"};
   chrome_trace trace;
   trace.add_log("x", read_log(in));
-  const auto counters = events_with(parse_json(trace.to_json()), "C");
+  const json_value doc = parse_json(trace.to_json());  // kept: events_with points into it
+  const auto counters = events_with(doc, "C");
   REQUIRE(counters.size() == 2);
   CHECK((*counters[0])["args"]["in_use"].number == 0);
   CHECK((*counters[1])["args"]["in_use"].number == 8);
