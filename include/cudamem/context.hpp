@@ -35,9 +35,12 @@
 // - `context_guard{ctx}` pushes `ctx` onto the calling thread's context stack; the destructor
 //   pops it, so the previous current context (or none) is current again, on every exit path.
 //   It takes a `context`, a `primary_context`, or a raw CUcontext (not null). Neither
-//   copyable nor movable: it belongs to its scope and its thread. If code inside the scope
-//   pushes a context and leaves it pushed, the guard's pop removes that one instead of ours;
-//   the guard sees it and reports the broken nesting to the error handler rather than guess.
+//   copyable nor movable: it belongs to its scope and its thread. Declare it after the
+//   context it pushes, so the context outlives it. Before popping, the guard checks that its
+//   context is still the current one; if not — code in the scope pushed a context and left it
+//   pushed, or destroyed the guard's context (the driver pops a destroyed current context
+//   itself) — popping would remove someone else's context, so the guard leaves the stack
+//   alone and reports the broken nesting to the error handler rather than guess.
 #pragma once
 
 #include <cudamem/detail/driver.hpp>
@@ -159,15 +162,21 @@ class context_guard {
   explicit context_guard(const primary_context& ctx) : context_guard(ctx.get()) {}
 
   ~context_guard() {
-    CUcontext popped = nullptr;
-    const CUresult result = detail::driver().ctx_pop_current(&popped);
-    if (result != CUDA_SUCCESS) {
-      detail::report_driver_error(result, "cudamem::context_guard: cuCtxPopCurrent");
-    } else if (popped != context_) {
+    const detail::driver_api& cu = detail::driver();  // loaded: the constructor used it
+    CUcontext current = nullptr;
+    CUresult result = cu.ctx_get_current(&current);
+    if (result == CUDA_SUCCESS && current != context_) {
       report_problem(
-          "cudamem::context_guard: the context stack changed inside the guard's scope (a "
-          "context pushed and not popped); popped that one instead of the guard's");
+          "cudamem::context_guard: the guard's context is no longer current at the end of its "
+          "scope (a context pushed and left pushed, or the guard's context destroyed inside "
+          "the scope); the context stack is left as it is");
+      return;
     }
+    CUcontext popped = nullptr;
+    if (result == CUDA_SUCCESS) {
+      result = cu.ctx_pop_current(&popped);
+    }
+    detail::report_driver_error(result, "cudamem::context_guard: restoring the previous context");
   }
 
   context_guard(const context_guard&) = delete;

@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <cstdio>
+#include <optional>
 #include <stdexcept>
 
 using namespace cudamem;
@@ -90,20 +91,33 @@ TEST_CASE("a context does not change the current context; context_guard pushes a
   CHECK(current_context() == before);
 }
 
-TEST_CASE("context_guard reports a context left pushed inside its scope") {
+TEST_CASE("context_guard reports broken nesting and leaves the stack alone") {
   const cudamem_test::captured_errors captured;
+  const CUcontext before = current_context();
   context a{{.device = 0}};
   context b{{.device = 0}};
   {
     context_guard on{a};
     detail::check_driver(detail::driver().ctx_push_current(b.get()), "cuCtxPushCurrent");
-  }  // pops b, not a
+  }  // b is on top: popping would remove b, not a, so the guard pops nothing
   REQUIRE(captured.messages().size() == 1);
-  CHECK_THAT(captured.messages()[0], Catch::Contains("context stack changed"));
-  // Clean up the pushed `a` that is still on the stack.
+  CHECK_THAT(captured.messages()[0], Catch::Contains("no longer current"));
   CUcontext popped = nullptr;
   detail::check_driver(detail::driver().ctx_pop_current(&popped), "cuCtxPopCurrent");
+  CHECK(popped == b.get());
+  detail::check_driver(detail::driver().ctx_pop_current(&popped), "cuCtxPopCurrent");
   CHECK(popped == a.get());
+  CHECK(current_context() == before);
+
+  // The guard's context destroyed inside its scope: the driver popped it already.
+  {
+    context doomed{{.device = 0}};
+    std::optional<context_guard> on{std::in_place, doomed};
+    doomed = context{};  // destroys the pushed context (a misuse the guard must survive)
+    on.reset();
+  }
+  CHECK(captured.messages().size() == 2);
+  CHECK(current_context() == before);
 }
 
 TEST_CASE("moved-from contexts hold nothing; move-assignment destroys the old one") {
@@ -141,14 +155,14 @@ TEST_CASE("create/destroy in a loop with an exception at every step leaves nothi
       try {
         context ctx{{.device = 0}};
         if (fail_at == 0) throw planned_failure{};
-        context_guard on{ctx};
+        context owner{std::move(ctx)};  // ownership moves; the moved-from one holds nothing
         if (fail_at == 1) throw planned_failure{};
-        static_cast<void>(allocate_in_current_context(work_bytes));  // never freed by hand
+        context_guard on{owner};
         if (fail_at == 2) throw planned_failure{};
-        ctx.synchronize();
+        static_cast<void>(allocate_in_current_context(work_bytes));  // never freed by hand
         if (fail_at == 3) throw planned_failure{};
-        context moved{std::move(ctx)};
-        throw planned_failure{};  // fail_at == 4: from a moved-to owner
+        owner.synchronize();
+        throw planned_failure{};  // fail_at == 4: after the work
       } catch (const planned_failure&) {
         ++thrown;
       }
