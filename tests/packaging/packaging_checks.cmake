@@ -42,6 +42,7 @@ function(packaging_check_installed_tree prefix config_dir forbidden_paths)
       message(FATAL_ERROR "installed tree lacks ${required}")
     endif()
   endforeach()
+  packaging_check_version_file(${prefix}/${config_dir}/cudamemConfigVersion.cmake)
   file(GLOB_RECURSE installed LIST_DIRECTORIES false ${prefix}/*)
   list(LENGTH installed count)
   foreach(file IN LISTS installed)
@@ -54,6 +55,32 @@ function(packaging_check_installed_tree prefix config_dir forbidden_paths)
     endforeach()
   endforeach()
   message(STATUS "installed tree: ${count} files, none names ${forbidden_paths}")
+endfunction()
+
+# The version file answers as find_package would ask it: SameMajorVersion (an older request of
+# the same major version is compatible, the next major is not) and ARCH_INDEPENDENT (a consumer
+# with another pointer size is not turned away: nothing in a header-only package depends on it).
+function(packaging_check_version_file version_file)
+  file(STRINGS ${version_file} version_line REGEX "^set\\(PACKAGE_VERSION \"[0-9.]+\"\\)")
+  string(REGEX MATCH "([0-9]+)\\.([0-9]+)\\.([0-9]+)" installed "${version_line}")
+  set(major ${CMAKE_MATCH_1})
+  math(EXPR next_major "${major} + 1")
+  foreach(request "${major}.0;TRUE;8" "${installed};TRUE;4" "${next_major}.0;FALSE;8")
+    list(GET request 0 PACKAGE_FIND_VERSION)
+    list(GET request 1 expected)
+    list(GET request 2 CMAKE_SIZEOF_VOID_P)
+    string(REPLACE "." ";" parts "${PACKAGE_FIND_VERSION}")
+    list(GET parts 0 PACKAGE_FIND_VERSION_MAJOR)
+    unset(PACKAGE_VERSION_COMPATIBLE)
+    unset(PACKAGE_VERSION_UNSUITABLE)
+    include(${version_file})
+    if(PACKAGE_VERSION_UNSUITABLE OR NOT "${PACKAGE_VERSION_COMPATIBLE}" STREQUAL "${expected}")
+      message(FATAL_ERROR "cudamemConfigVersion.cmake (${installed}): a request for "
+        "${PACKAGE_FIND_VERSION} from a ${CMAKE_SIZEOF_VOID_P}-byte-pointer project answered "
+        "compatible=${PACKAGE_VERSION_COMPATIBLE} unsuitable=${PACKAGE_VERSION_UNSUITABLE}, "
+        "expected compatible=${expected}")
+    endif()
+  endforeach()
 endfunction()
 
 # vcpkg_cmake_config_fixup, the part that concerns a header-only package: the config files move
