@@ -97,7 +97,9 @@ TEST_CASE("a leaked device_buffer is reported at this file's line") {
   device.deallocate(leaked.ptr, leaked.bytes, leaked.alignment);  // tidy up for real
 }
 
-TEST_CASE("larger than the device: the verdict and the device's real size") {
+// cudaMalloc fails on purpose (an expected API error for compute-sanitizer).
+TEST_CASE("larger than the device: the verdict and the device's real size",
+          "[expected-api-error]") {
   device_resource device;
   tracking_adaptor tracked{device};
   const std::size_t total = device_memory(0).total;

@@ -120,9 +120,8 @@ TEST_CASE("context_guard reports broken nesting and leaves the stack alone") {
   CHECK(current_context() == before);
 }
 
-TEST_CASE("moved-from contexts hold nothing; move-assignment destroys the old one") {
+TEST_CASE("moved-from contexts hold nothing; self-move is a no-op") {
   context a{{.device = 0}};
-  const std::size_t one_context = free_device_memory();  // a context has overhead of its own
   const CUcontext handle = a.get();
   context b{std::move(a)};
   CHECK_FALSE(a);
@@ -130,6 +129,18 @@ TEST_CASE("moved-from contexts hold nothing; move-assignment destroys the old on
   CHECK(b.get() == handle);
   CHECK(b.device() == 0);
   CHECK_THROWS_AS(context_guard{a}, std::invalid_argument);
+  auto& alias = b;
+  b = std::move(alias);  // self-move: a no-op, still usable
+  CHECK(b.get() == handle);
+  CHECK_NOTHROW(b.synchronize());
+  CHECK(b.memory().total > 0);
+}
+
+// Memory left in a context and freed by destroying the context: compute-sanitizer counts it as
+// leaked (hence [expected-leak]); here the point is that the destruction gives it back.
+TEST_CASE("move-assignment destroys the old context and the memory in it", "[expected-leak]") {
+  context b{{.device = 0}};
+  const std::size_t one_context = free_device_memory();  // a context has overhead of its own
   {
     context_guard on{b};
     static_cast<void>(allocate_in_current_context(work_bytes));  // owned by b's context
@@ -137,14 +148,12 @@ TEST_CASE("moved-from contexts hold nothing; move-assignment destroys the old on
   CHECK(free_device_memory() + work_bytes <= one_context + tolerance);
   b = context{{.device = 0}};  // the old context, and its 256 MiB, are destroyed
   CHECK(free_device_memory() + tolerance >= one_context);  // again one empty context alive
-  auto& alias = b;
-  b = std::move(alias);  // self-move: a no-op, still usable
   CHECK(b);
-  CHECK_NOTHROW(b.synchronize());
-  CHECK(b.memory().total > 0);
 }
 
-TEST_CASE("create/destroy in a loop with an exception at every step leaves nothing behind") {
+// Steps 3 and 4 leave 256 MiB in the context for its destruction to free ([expected-leak]).
+TEST_CASE("create/destroy in a loop with an exception at every step leaves nothing behind",
+          "[expected-leak]") {
   const CUcontext current_before = current_context();
   const primary_context_info primary_before = primary_context_state(0);
   const std::size_t baseline = free_device_memory();
@@ -176,7 +185,9 @@ TEST_CASE("create/destroy in a loop with an exception at every step leaves nothi
   CHECK(same_state(primary_context_state(0), primary_before));
 }
 
-TEST_CASE("seed 003: a raw context skipped by an exception keeps its memory; context does not") {
+// Both flows leave memory for context destruction to free, on purpose ([expected-leak]).
+TEST_CASE("seed 003: a raw context skipped by an exception keeps its memory; context does not",
+          "[expected-leak]") {
   const detail::driver_api& cu = detail::driver();
   CUdevice device = 0;
   detail::check_driver(cu.device_get(&device, 0), "cuDeviceGet");

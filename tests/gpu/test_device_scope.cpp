@@ -132,7 +132,9 @@ TEST_CASE("device_scope makes its device current and restores the previous one")
   CHECK(current_device() == before);
 }
 
-TEST_CASE("reset_on_exit: the check runs before the reset, the reset frees the rest") {
+// Leaves 96 MiB for cudaDeviceReset on purpose: compute-sanitizer counts it as leaked.
+TEST_CASE("reset_on_exit: the check runs before the reset, the reset frees the rest",
+          "[expected-leak]") {
   static_cast<void>(free_device_memory());
   const std::size_t baseline = free_device_memory();
   const cudamem_test::captured_errors captured;
