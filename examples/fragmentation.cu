@@ -119,7 +119,7 @@ int main() try {
     std::printf("  %-26s compactions: %zu\n", "", pool.vm_stats().compactions);
   }
 
-  std::printf("big request after churn: raw first-fit %s, cudamem pool %s; capped pool %s, "
+  std::printf("big request after churn: raw first-fit %s, cudamem pool %s, capped pool %s, "
               "vm_pool %s\n",
               raw.c_str(), pooled.c_str(), capped.c_str(), vm.c_str());
   return raw == "failed (fragmentation)" && pooled == "ok" && capped == "failed (fragmentation)" &&
