@@ -167,7 +167,7 @@ struct memory_report {
       case oom_verdict::fragmentation:
         return "Enough memory is free in total but no single free block is large enough: call "
                "release() on the pool to return wholly free blocks, or use a virtual-memory "
-               "pool (vm_resource), whose free memory is always usable.";
+               "pool (vm_pool_resource), whose free memory is always usable.";
       case oom_verdict::held_by_others:
         return "Memory outside this resource chain stands in the way: check nvidia-smi for other "
                "processes, destroy contexts you no longer need, and release other pools.";
