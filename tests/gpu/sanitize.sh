@@ -144,9 +144,12 @@ for exe in "$build"/tests/gpu_*; do
 done
 
 # --- whole-program tests: their own main(), run as they are -------------------------------------
+# The exit test keeps owners in static objects on purpose: those destroyed after the CUDA runtime
+# has begun to unload cannot free (the driver reclaims the memory with the process), and that is
+# exactly the situation under test. So memcheck checks its accesses and API errors, not leaks.
 for exe in "$build"/tests/gpu/exit/gpu_*; do
   [[ -f $exe && -x $exe ]] || continue
-  run_pass "$(basename "$exe")" whole-program --leak-check full -- "$exe"
+  run_pass "$(basename "$exe")" whole-program --leak-check no -- "$exe"
 done
 
 if [[ $ran -eq 0 && $skipped -eq 0 ]]; then
