@@ -31,9 +31,12 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <concepts>
+#include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace cudamem {
 
@@ -88,6 +91,50 @@ class stream_view {
  private:
   cudaStream_t handle_ = nullptr;
 };
+
+namespace detail {
+
+/// Something that remembers stream handles and must hear of a stream's end while the stream
+/// still exists (a pool that owes an event on a stream it freed memory on). `stream`'s
+/// destructor calls every registered listener before cudaStreamDestroy.
+class stream_listener {
+ public:
+  virtual void on_stream_destroy(cudaStream_t handle) noexcept = 0;
+
+ protected:
+  stream_listener() = default;
+  stream_listener(const stream_listener&) = default;
+  stream_listener& operator=(const stream_listener&) = default;
+  ~stream_listener() = default;
+};
+
+/// The registry of listeners. Never destroyed, so that a stream in a static object can still
+/// consult it during static destruction.
+struct stream_listener_registry {
+  std::mutex mutex;
+  std::vector<stream_listener*> listeners;
+
+  static stream_listener_registry& instance() {
+    static auto* registry = new stream_listener_registry;  // deliberately never deleted
+    return *registry;
+  }
+  void add(stream_listener* l) {
+    const std::lock_guard lock(mutex);
+    listeners.push_back(l);
+  }
+  void remove(stream_listener* l) noexcept {
+    const std::lock_guard lock(mutex);
+    listeners.erase(std::remove(listeners.begin(), listeners.end(), l), listeners.end());
+  }
+  void notify(cudaStream_t handle) noexcept {
+    const std::lock_guard lock(mutex);
+    for (stream_listener* l : listeners) {
+      l->on_stream_destroy(handle);
+    }
+  }
+};
+
+}  // namespace detail
 
 /// How to create a `stream`.
 struct stream_options {
@@ -150,6 +197,9 @@ class stream {
     if (handle_ == nullptr) {
       return;
     }
+    // Resources that remember this stream (a pool that owes an event on it) settle up first,
+    // while the handle is still valid.
+    detail::stream_listener_registry::instance().notify(handle_);
     // cudaStreamDestroy returns at once; the stream's pending work still completes.
     report_error(cudaStreamDestroy(handle_), "cudamem::stream: cudaStreamDestroy");
     handle_ = nullptr;
