@@ -15,8 +15,9 @@
 //
 // Contract (memory_resource.hpp's, plus)
 // - Kind and device are the upstream's. Every block is a multiple of 256 bytes and aligned to
-//   at least 256 (any power-of-two alignment may be asked for). `stats().used_bytes` counts
-//   those rounded sizes, so reserved = used + free always holds.
+//   at least 256 (any power-of-two alignment may be asked for). A block reused from the cache
+//   (below) may be up to 1/8 larger than the request rounded to 256; `stats().used_bytes`
+//   counts the blocks' real sizes, so reserved = used + free always holds.
 // - Growth: the pool asks its upstream for memory only when no free block fits. Requests up
 //   to `small_block_limit` come from chunks of `small_chunk_size`; larger ones from chunks of
 //   `growth_step`, or of the request's own size when it is larger. Small and large blocks never
@@ -53,10 +54,21 @@
 //   synchronise the device. The destructor reports blocks still allocated to the error handler
 //   and returns their chunks anyway.
 // - Bad input: SIZE_MAX or more than `maximum_size` throws `out_of_memory`; a pointer the pool
-//   never gave out, a double free, or a size that does not match the allocation goes to the
-//   error handler (the mismatched one is freed with its real size; the others change nothing).
+//   never gave out, a double free, or a size that does not match the allocation (the block is
+//   smaller, or more than 1/8 larger, than the size rounded to 256) goes to the error handler
+//   (the mismatched one is freed with its real size; the others change nothing).
 //
 // Design, and its limits
+// - Front end: a freed block of at most `cache_block_limit` bytes is kept whole in its
+//   shard's cache (detail/block_cache.hpp: a stack per size class, 8 classes per power of
+//   two), tagged with its stream like any free block, while the shard caches at most
+//   `cache_bytes`. A request first looks at the top of its class's stack: a hit costs a
+//   lock, a few loads and no heap work, and a block freed on another stream goes through the
+//   same event check as any other. Cached blocks count as free in stats() (free_blocks,
+//   largest_free_block). They do not merge with their neighbours until flushed: when the heap
+//   cannot serve a request, before chunks are released (release(), the retry after an
+//   upstream failure, making room for a small chunk) and before the last look through every
+//   shard, so growth, release and out_of_memory behave as without the cache.
 // - Each chunk's free blocks live in a TLSF index (detail/tlsf_heap.hpp): O(1) search however
 //   many holes, splitting, and immediate merging of address neighbours. Block records are
 //   host-side nodes; the pool never reads or writes the memory it manages.
@@ -72,6 +84,7 @@
 #pragma once
 
 #include <cudamem/detail/address_map.hpp>
+#include <cudamem/detail/block_cache.hpp>
 #include <cudamem/detail/tlsf_heap.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_resource.hpp>
@@ -105,6 +118,9 @@ struct pool_options {
   std::size_t small_block_limit = std::size_t{1} << 20;  ///< largest request of the small tier
   std::size_t small_chunk_size = std::size_t{4} << 20;   ///< small-tier chunk size
   unsigned shards = 0;  ///< a power of two; 0: one per hardware thread, at most 16
+  /// Largest block kept whole in the front-end cache (rounded up to a size class); 0: no cache.
+  std::size_t cache_block_limit = std::size_t{4} << 20;
+  std::size_t cache_bytes = std::size_t{64} << 20;  ///< most bytes cached per shard
 };
 
 namespace detail {
@@ -133,6 +149,9 @@ class pool_resource final : public memory_resource {
         options_(validated(options)),
         tracks_streams_(upstream.kind() != memory_kind::host &&
                         !(upstream.kind() == memory_kind::device && upstream.device() < 0)) {
+    if (options_.cache_bytes > 0) {
+      cache_limit_ = std::min(options_.cache_block_limit, std::size_t{1} << 50);
+    }
     const unsigned count = options_.shards;
     shard_mask_ = count - 1;
     shards_.reserve(count);
@@ -240,13 +259,15 @@ class pool_resource final : public memory_resource {
 
   using heap = detail::tlsf_heap<pending_frees>;
   using block = heap::block;
+  using cache = detail::block_cache<block>;
 
   enum tier : std::uint32_t { small_tier = 0, large_tier = 1 };
 
   struct alignas(64) shard {
     std::mutex mutex;
     heap tiers[2] = {heap{granule}, heap{granule}};
-    detail::address_map<block> live;  ///< address -> block, for blocks handed out
+    detail::address_map<block> live;  ///< address -> block, for blocks handed out or cached
+    cache cached{granule};            ///< freed blocks kept whole (still in `live`)
     std::size_t used = 0;
     std::size_t peak = 0;
     std::vector<std::unique_ptr<stream_record>> streams;
@@ -312,21 +333,57 @@ class pool_resource final : public memory_resource {
     shard& home = *shards_[detail::pool_thread_slot() & shard_mask_];
     {
       const std::lock_guard lock(home.mutex);
-      if (void* p = take(home, t, bytes, alignment, stream)) {
+      if (size <= cache_limit_) {
+        if (block* b = home.cached.pop(size, alignment - 1)) {
+          return hand_out_cached(home, b, stream);
+        }
+      }
+      if (void* p = take(home, t, size, alignment, stream)) {
         return p;
       }
+      if (home.cached.count() != 0) {  // the cached blocks may merge into room for it
+        flush_cache(home);
+        if (void* p = take(home, t, size, alignment, stream)) {
+          return p;
+        }
+      }
     }
-    return grow_and_allocate(home, t, bytes, alignment, stream);
+    return grow_and_allocate(home, t, bytes, size, alignment, stream);
   }
 
-  /// A block from `sh`'s tier `t`, made ready for `stream`, or nullptr. Caller holds the lock.
+  /// Hands out block `b` just popped from sh's cache (still in sh.live). Caller holds the lock.
+  void* hand_out_cached(shard& sh, block* b, const stream_view* stream) {
+    if (!b->tag.empty()) {
+      try {
+        make_ready(sh, *b, stream);
+      } catch (...) {
+        sh.cached.push(b);
+        throw;
+      }
+    }
+    sh.used += b->size;
+    sh.peak = std::max(sh.peak, sh.used);
+    return reinterpret_cast<void*>(b->address);
+  }
+
+  /// Returns every block of sh's cache to its heap, where it merges with its neighbours.
+  /// Caller holds sh's lock.
+  static void flush_cache(shard& sh) noexcept {
+    sh.cached.drain([&sh](block* b) {
+      sh.live.erase(b->address);
+      sh.tiers[b->region->owner].free(b);
+    });
+  }
+
+  /// A block of `size` bytes (rounded to the granule) from `sh`'s tier `t`, made ready for `stream`, or
+  /// nullptr. Caller holds the lock.
   /// `any_block`: also cut a free block much larger than the request (see oversize_limit).
-  void* take(shard& sh, tier t, std::size_t bytes, std::size_t alignment,
+  void* take(shard& sh, tier t, std::size_t size, std::size_t alignment,
              const stream_view* stream, bool any_block = false) {
     sh.live.reserve_one();  // the only step that can fail for want of host memory: do it first
-    block* b = sh.tiers[t].allocate(bytes, alignment,
+    block* b = sh.tiers[t].allocate(size, alignment,
                                     any_block ? std::numeric_limits<std::size_t>::max()
-                                              : oversize_limit(bytes));
+                                              : oversize_limit(size));
     if (b == nullptr) {
       return nullptr;
     }
@@ -358,10 +415,11 @@ class pool_resource final : public memory_resource {
   }
 
   /// The slow path: more memory from the upstream, or from elsewhere in the pool.
-  void* grow_and_allocate(shard& home, tier t, std::size_t bytes, std::size_t alignment,
-                          const stream_view* stream) {
+  /// `bytes` as asked (for the report), `size` rounded to the granule.
+  void* grow_and_allocate(shard& home, tier t, std::size_t bytes, std::size_t size,
+                          std::size_t alignment, const stream_view* stream) {
     const std::size_t padding = alignment > granule ? alignment - granule : 0;
-    const std::size_t needed = round_up(bytes) + padding;
+    const std::size_t needed = size + padding;
     const std::size_t preferred =
         std::max(needed, t == small_tier ? round_up(options_.small_chunk_size)
                                          : round_up(options_.growth_step));
@@ -373,7 +431,7 @@ class pool_resource final : public memory_resource {
       if (attempt == 2 && release_free_chunks() == 0) {
         break;
       }
-      const std::size_t size = attempt == 0 ? preferred : needed;
+      const std::size_t chunk = attempt == 0 ? preferred : needed;
       if (attempt == 0 && t == small_tier) {
         // Make room where cached large chunks are, rather than beside them: a new small chunk
         // then lands where a first-fit upstream would put it, and cached large chunks do not
@@ -381,8 +439,8 @@ class pool_resource final : public memory_resource {
         release_free_chunks(&home, large_tier);
       }
       const std::lock_guard lock(home.mutex);
-      if (obtain_chunk(home, t, size, cause)) {
-        if (void* p = take(home, t, bytes, alignment, stream)) {
+      if (obtain_chunk(home, t, chunk, cause)) {
+        if (void* p = take(home, t, size, alignment, stream)) {
           return p;
         }
       }
@@ -391,8 +449,9 @@ class pool_resource final : public memory_resource {
     for (std::size_t i = 0; i < shards_.size(); ++i) {
       shard& sh = *shards_[(detail::pool_thread_slot() + i) & shard_mask_];
       const std::lock_guard lock(sh.mutex);
+      flush_cache(sh);
       for (tier other : {t, t == small_tier ? large_tier : small_tier}) {
-        if (void* p = take(sh, other, bytes, alignment, stream, true)) {
+        if (void* p = take(sh, other, size, alignment, stream, true)) {
           return p;
         }
       }
@@ -524,7 +583,7 @@ class pool_resource final : public memory_resource {
     shard& home = *shards_[detail::pool_thread_slot() & shard_mask_];
     {
       const std::lock_guard lock(home.mutex);
-      if (block* b = home.live.erase(address)) {
+      if (block* b = home.live.find(address); b != nullptr && !b->cached) {
         finish_free(home, b, bytes, stream);
         return;
       }
@@ -545,8 +604,8 @@ class pool_resource final : public memory_resource {
       return;
     }
     const std::lock_guard lock(owner->mutex);
-    block* b = owner->live.erase(address);
-    if (b == nullptr) {
+    block* b = owner->live.find(address);
+    if (b == nullptr || b->cached) {
       report_problem("pool_resource: deallocate of a block that is not allocated (a double free, "
                      "or a pointer into the middle of a block); ignored");
       return;
@@ -554,9 +613,11 @@ class pool_resource final : public memory_resource {
     finish_free(*owner, b, bytes, stream);
   }
 
-  /// Returns `b` (just removed from sh.live) to its heap. Caller holds sh's lock.
+  /// Frees `b` (found in sh.live, handed out): into sh's cache while it has room, else back
+  /// to its heap. Caller holds sh's lock.
   void finish_free(shard& sh, block* b, std::size_t bytes, const stream_view* stream) noexcept {
-    if (round_up(bytes) != b->size) {
+    const std::size_t size = round_up(bytes);
+    if (size > b->size || b->size - size > size / 8) {  // from the cache: up to 1/8 larger
       report_problem("pool_resource: deallocate with a size that does not match the allocation; "
                      "the allocation's own size is freed");
     }
@@ -564,6 +625,11 @@ class pool_resource final : public memory_resource {
     if (tracks_streams_ && stream != nullptr) {
       note_stream_free(sh, *b, *stream);
     }
+    if (b->size <= cache_limit_ && sh.cached.bytes() + b->size <= options_.cache_bytes) {
+      sh.cached.push(b);
+      return;
+    }
+    sh.live.erase(b->address);
     sh.tiers[b->region->owner].free(b);
   }
 
@@ -616,6 +682,7 @@ class pool_resource final : public memory_resource {
           continue;
         }
         const std::lock_guard lock(sh->mutex);
+        flush_cache(*sh);  // cached blocks may be all that keeps a chunk from being wholly free
         for (heap& h : sh->tiers) {
           if (only_tier >= 0 && &h != &sh->tiers[only_tier]) {
             continue;
@@ -659,7 +726,7 @@ class pool_resource final : public memory_resource {
     std::size_t leaked_bytes = 0;
     bool pending = false;
     for (auto& sh : shards_) {
-      leaked_blocks += sh->live.size();
+      leaked_blocks += sh->live.size() - sh->cached.count();
       leaked_bytes += sh->used;
       for (auto& rec : sh->streams) {
         pending = pending || rec->frees > rec->done;
@@ -708,6 +775,9 @@ class pool_resource final : public memory_resource {
         free_blocks += h.free_block_count();
         largest = std::max(largest, h.largest_free_block());
       }
+      // Cached blocks are free blocks too (a request that needs them flushes the cache).
+      free_blocks += sh->cached.count();
+      largest = std::max(largest, sh->cached.largest());
       s.used_bytes += sh->used;
       s.peak_used_bytes += sh->peak;
     }
@@ -719,6 +789,7 @@ class pool_resource final : public memory_resource {
   memory_resource* upstream_;
   pool_options options_;
   bool tracks_streams_;
+  std::size_t cache_limit_ = 0;  ///< largest cached block (a class size); 0: no cache
   unsigned shard_mask_ = 0;
   std::vector<std::unique_ptr<shard>> shards_;
   std::mutex upstream_mutex_;

@@ -33,9 +33,11 @@ constexpr std::size_t GiB = std::size_t{1} << 30;
 std::size_t rounded(std::size_t n) { return (n + 255) & ~std::size_t{255}; }
 
 /// The reference model: what is live, by address. Checks every invariant after each step.
+/// A block from the pool's cache may be up to 1/8 larger than asked: `used()` is the least the
+/// pool may count, `slack()` how much more it may (0 when the pool has no cache).
 class model {
  public:
-  explicit model(bool writable) : writable_(writable) {}
+  model(bool writable, bool exact) : writable_(writable), exact_(exact) {}
 
   void allocated(void* p, std::size_t bytes, std::size_t alignment) {
     const auto a = reinterpret_cast<std::uintptr_t>(p);
@@ -44,15 +46,16 @@ class model {
     REQUIRE(a % 256 == 0);
     auto next = live_.lower_bound(a);
     if (next != live_.end()) {
-      REQUIRE(a + bytes <= next->first);  // no overlap with the block above
+      REQUIRE(a + rounded(bytes) <= next->first);  // no overlap with the block above
     }
     if (next != live_.begin()) {
       auto prev = std::prev(next);
-      REQUIRE(prev->first + prev->second.bytes <= a);  // nor with the block below
+      REQUIRE(prev->first + rounded(prev->second.bytes) <= a);  // nor with the block below
     }
     const auto tag = static_cast<unsigned char>(a >> 8);
     live_[a] = {bytes, alignment, tag};
     used_ += rounded(bytes);
+    slack_ += exact_ ? 0 : rounded(bytes) / 8;
     if (writable_) {  // real memory: write the whole block, check it before the free
       std::memset(p, tag, bytes);
     }
@@ -70,11 +73,13 @@ class model {
       REQUIRE(c[bytes / 2] == it->second.tag);
     }
     used_ -= rounded(bytes);
+    slack_ -= exact_ ? 0 : rounded(bytes) / 8;
     live_.erase(it);
     return {p, bytes};
   }
   [[nodiscard]] std::size_t size() const { return live_.size(); }
   [[nodiscard]] std::size_t used() const { return used_; }
+  [[nodiscard]] std::size_t slack() const { return slack_; }
 
  private:
   struct entry {
@@ -83,13 +88,16 @@ class model {
     unsigned char tag;
   };
   bool writable_;
+  bool exact_;
   std::map<std::uintptr_t, entry> live_;
   std::size_t used_ = 0;
+  std::size_t slack_ = 0;
 };
 
 void check_stats(const pool_resource& pool, const model& m) {
   const resource_stats s = pool.stats();
-  REQUIRE(s.used_bytes == m.used());
+  REQUIRE(s.used_bytes >= m.used());
+  REQUIRE(s.used_bytes <= m.used() + m.slack());
   REQUIRE(s.reserved_bytes >= s.used_bytes);
   REQUIRE(s.peak_used_bytes >= s.used_bytes);
   REQUIRE(s.free_blocks.has_value());
@@ -107,7 +115,7 @@ void check_stats(const pool_resource& pool, const model& m) {
 /// Random allocations and frees of sizes 1 B .. max_bytes against the model.
 void random_model_run(pool_resource& pool, bool writable, std::size_t max_bytes, unsigned seed,
                       int steps) {
-  model m(writable);
+  model m(writable, pool.options().cache_bytes == 0 || pool.options().cache_block_limit == 0);
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<double> unit(0.0, 1.0);
   const double log_max = std::log(static_cast<double>(max_bytes));
@@ -559,4 +567,93 @@ TEST_CASE("pool: destroying it with blocks allocated reports them and returns th
   REQUIRE(errors.messages().size() == 1);
   CHECK_THAT(errors.messages()[0], Catch::Contains("still allocated"));
   CHECK(device.used_bytes() == 0);
+}
+
+// --- the front-end cache -------------------------------------------------------------------
+
+TEST_CASE("pool without its cache: random model test with exact sizes") {
+  simulated_resource device;
+  pool_resource pool{device, {.cache_block_limit = 0}};
+  random_model_run(pool, false, 16 * MiB, 14, 5000);
+  pool_resource no_bytes{device, {.cache_bytes = 0}};
+  random_model_run(no_bytes, false, 16 * MiB, 15, 2000);
+}
+
+TEST_CASE("pool cache: a freed block is reused whole by a request of about its size") {
+  simulated_resource device;
+  cudamem_test::captured_errors errors;
+  pool_resource pool{device, {.shards = 1}};
+  void* p = pool.allocate(100000);  // 100096 bytes
+  pool.deallocate(p, 100000);
+  resource_stats s = pool.stats();
+  CHECK(s.used_bytes == 0);
+  CHECK(s.free_blocks == 2);  // the cached block and the rest of the chunk
+  CHECK(s.largest_free_block == 4 * MiB - 100096);
+  CHECK(pool.allocate(100000) == p);
+  pool.deallocate(p, 100000);
+  void* q = pool.allocate(95000);  // 95232 bytes: the cached block is at most 1/8 larger
+  CHECK(q == p);
+  CHECK(pool.stats().used_bytes == 100096);
+  pool.deallocate(q, 95000);  // the size asked for, not the block's: no complaint
+  void* r = pool.allocate(80000);  // 80128 bytes: 100096 would waste more than 1/8
+  CHECK(r != p);
+  CHECK(pool.stats().used_bytes == 80128);
+  pool.deallocate(r, 80000);
+  void* aligned = pool.allocate(100000, std::size_t{1} << 20);  // the cached one may not do
+  CHECK(reinterpret_cast<std::uintptr_t>(aligned) % (std::size_t{1} << 20) == 0);
+  pool.deallocate(aligned, 100000, std::size_t{1} << 20);
+  CHECK(errors.messages().empty());
+  void* t = pool.allocate(100000);
+  pool.deallocate(t, 200000);  // far off: reported, freed with its own size
+  REQUIRE(errors.messages().size() == 1);
+  CHECK_THAT(errors.messages()[0], Catch::Contains("size"));
+  CHECK(pool.stats().used_bytes == 0);
+}
+
+TEST_CASE("pool cache: cached blocks merge when the heap has no room, and before release") {
+  simulated_resource device;
+  pool_resource pool{device, {.maximum_size = 4 * MiB, .shards = 1}};
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) {
+    blocks.push_back(pool.allocate(512 * 1024));  // fills the one 4 MiB small chunk
+  }
+  for (void* p : blocks) {
+    pool.deallocate(p, 512 * 1024);  // all cached, not merged
+  }
+  resource_stats s = pool.stats();
+  CHECK(s.free_blocks == 8);
+  CHECK(s.largest_free_block == 512 * 1024);
+  CHECK(s.reserved_bytes == 4 * MiB);
+  CHECK(s.used_bytes == 0);
+  void* big = pool.allocate(MiB);  // no cached block fits: the cache is flushed and merges
+  CHECK(pool.chunk_count() == 1);
+  CHECK(pool.stats().reserved_bytes == 4 * MiB);
+  pool.deallocate(big, MiB);
+  CHECK(pool.release() == 4 * MiB);  // the cached block does not keep the chunk
+  CHECK(pool.chunk_count() == 0);
+  CHECK(device.used_bytes() == 0);
+
+  // A large-tier request at the maximum size: the small chunk, free but cached, goes back.
+  for (int i = 0; i < 4; ++i) {
+    pool.deallocate(pool.allocate(MiB), MiB);
+  }
+  void* large = pool.allocate(4 * MiB);
+  CHECK(pool.stats().reserved_bytes == 4 * MiB);
+  pool.deallocate(large, 4 * MiB);
+}
+
+TEST_CASE("pool cache: its byte bound holds") {
+  simulated_resource device;
+  pool_resource pool{device, {.shards = 1, .cache_bytes = MiB}};
+  std::vector<void*> blocks;
+  for (int i = 0; i < 4; ++i) {
+    blocks.push_back(pool.allocate(512 * 1024));
+  }
+  for (void* p : blocks) {
+    pool.deallocate(p, 512 * 1024);
+  }
+  // Two are cached; the other two went back to the heap and merged with the chunk's rest.
+  const resource_stats s = pool.stats();
+  CHECK(s.free_blocks == 3);
+  CHECK(s.largest_free_block == 3 * MiB);
 }

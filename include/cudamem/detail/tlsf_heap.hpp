@@ -70,7 +70,10 @@ struct tlsf_block {
   tlsf_block* prev_free = nullptr;  ///< size-class list links, meaningful while free
   tlsf_block* next_free = nullptr;
   tlsf_region<Tag>* region = nullptr;
+  /// Free for the heap's user while the block is in use (pool_resource: its block_cache).
+  tlsf_block* next_cached = nullptr;
   bool free = false;
+  bool cached = false;  ///< also the user's, like next_cached
   Tag tag{};
 };
 

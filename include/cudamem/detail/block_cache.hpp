@@ -1,0 +1,144 @@
+// cudamem/detail/block_cache.hpp — the front end of pool_resource: blocks just freed, kept
+// whole in last-in-first-out stacks by size class, so that the next request of about the same
+// size takes one in O(1) without searching, splitting or merging in the TLSF heap behind it.
+//
+//   cudamem::detail::block_cache<block> cache{256};     // sizes are multiples of 256
+//   cache.push(b);                                      // b stays "in use" for the heap
+//   block* again = cache.pop(size, alignment - 1);      // size <= again->size <= size + size/8
+//   cache.drain([&](block* c) { heap.free(c); });       // flush: merge them back
+//
+// Why (for a student)
+// - Programs free and allocate the same few sizes over and over. A general heap pays for that
+//   every time: find a block, split it, and on free look up its neighbours and merge. A cache
+//   of whole blocks skips all of it, if a cached block is close enough in size to the next
+//   request. Blocks are filed by size class: below 16 granules every size is its own class,
+//   above it each power of two is split into 8 classes (2^`steps_log2`). A request looks at the
+//   top of its own class's stack (taken if at least as large) and of the next class up (taken
+//   if at most 1/8 larger than the request), so a block from the cache wastes less than 1/8
+//   (12.5 %) of the request, and blocks that come from the heap waste nothing.
+// - Cached blocks are "in use" as far as the heap knows: they are not merged with their free
+//   neighbours, so the owner flushes the cache (drain) before it concludes that the heap has
+//   no room, and before it looks for wholly free chunks to return upstream.
+// - The stacks are intrusive (linked through the block's `next_cached`), so push and pop never
+//   allocate and cannot fail.
+//
+// Contract
+// - `Block` has `std::size_t size` (a multiple of the granule), `std::uintptr_t address`,
+//   `Block* next_cached` and `bool cached`; push sets `cached`, pop and drain clear it (the
+//   owner's double-free check).
+// - pop(size, mask) returns a block b with size <= b->size <= size + size / 8 and
+//   (b->address & mask) == 0, or nullptr; it looks at two blocks at most.
+// - Not thread-safe: the owner locks. Counts and bytes are exact at every moment.
+#pragma once
+
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+
+namespace cudamem::detail {
+
+template <class Block>
+class block_cache {
+ public:
+  static constexpr unsigned steps_log2 = 3;  ///< 8 classes per power of two
+  static constexpr std::size_t exact_below = std::size_t{2} << steps_log2;  ///< in granules
+  static constexpr std::size_t class_count = std::size_t{64 - steps_log2 + 1} << steps_log2;
+
+  explicit block_cache(std::size_t granule) noexcept
+      : granule_log2_(static_cast<unsigned>(std::countr_zero(granule))) {}
+
+  /// The stack a block of `units` granules lives in: units itself below exact_below, then 8
+  /// consecutive stacks per power of two (the class is the top 1 + steps_log2 bits).
+  [[nodiscard]] static constexpr std::size_t class_index(std::size_t units) noexcept {
+    if (units < exact_below) {
+      return units;
+    }
+    const auto msb = static_cast<unsigned>(std::bit_width(units)) - 1U;
+    return (std::size_t{msb - steps_log2 + 1} << steps_log2) |
+           ((units >> (msb - steps_log2)) & ((std::size_t{1} << steps_log2) - 1));
+  }
+
+  void push(Block* b) noexcept {
+    const std::size_t index = class_index(b->size >> granule_log2_);
+    b->cached = true;
+    b->next_cached = heads_[index];
+    heads_[index] = b;
+    bytes_ += b->size;
+    ++count_;
+    top_index_ = index > top_index_ ? index : top_index_;
+  }
+
+  /// A cached block of `size` to `size + size / 8` bytes whose address & mask is 0, or nullptr.
+  [[nodiscard]] Block* pop(std::size_t size, std::uintptr_t address_mask) noexcept {
+    const std::size_t index = class_index(size >> granule_log2_);
+    if (index > top_index_) {
+      return nullptr;
+    }
+    Block* b = heads_[index];
+    if (b != nullptr && b->size >= size && (b->address & address_mask) == 0) {
+      return unlink(index);
+    }
+    b = heads_[index + 1];  // every block there is larger; is it close enough?
+    if (b != nullptr && b->size - size <= size / 8 && (b->address & address_mask) == 0) {
+      return unlink(index + 1);
+    }
+    return nullptr;
+  }
+
+  /// Empties the cache, handing every block to `f(Block*)` (which must not throw).
+  template <class F>
+  void drain(F&& f) noexcept {
+    if (count_ == 0) {
+      return;
+    }
+    for (std::size_t i = 0; i <= top_index_; ++i) {
+      for (Block* b = heads_[i]; b != nullptr;) {
+        Block* next = b->next_cached;
+        b->next_cached = nullptr;
+        b->cached = false;
+        f(b);
+        b = next;
+      }
+      heads_[i] = nullptr;
+    }
+    bytes_ = 0;
+    count_ = 0;
+    top_index_ = 0;
+  }
+
+  [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
+  [[nodiscard]] std::size_t count() const noexcept { return count_; }
+
+  /// The largest cached block (0 when empty): looks through the top non-empty stack.
+  [[nodiscard]] std::size_t largest() const noexcept {
+    for (std::size_t i = top_index_ + 1; i-- > 0;) {
+      std::size_t largest = 0;
+      for (const Block* b = heads_[i]; b != nullptr; b = b->next_cached) {
+        largest = b->size > largest ? b->size : largest;
+      }
+      if (largest != 0) {
+        return largest;
+      }
+    }
+    return 0;
+  }
+
+ private:
+  Block* unlink(std::size_t index) noexcept {
+    Block* b = heads_[index];
+    heads_[index] = b->next_cached;
+    b->next_cached = nullptr;
+    b->cached = false;
+    bytes_ -= b->size;
+    --count_;
+    return b;
+  }
+
+  unsigned granule_log2_;
+  Block* heads_[class_count + 1] = {};  ///< one spare, so pop may look at index + 1
+  std::size_t bytes_ = 0;
+  std::size_t count_ = 0;
+  std::size_t top_index_ = 0;  ///< no stack above this index is non-empty
+};
+
+}  // namespace cudamem::detail
