@@ -85,6 +85,7 @@
 
 #include <cudamem/detail/address_map.hpp>
 #include <cudamem/detail/block_cache.hpp>
+#include <cudamem/detail/spin_lock.hpp>
 #include <cudamem/detail/tlsf_heap.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_resource.hpp>
@@ -255,6 +256,15 @@ class pool_resource final : public memory_resource {
       ++count;
     }
     [[nodiscard]] bool empty() const noexcept { return count == 0 && !overflow; }
+    void clear() noexcept {  // the arrays past `count` are never read
+      count = 0;
+      overflow = false;
+    }
+    /// True when the only pending frees were made on `stream` (not retired): stream order
+    /// alone separates them from a request on it (the common case, checked inline).
+    [[nodiscard]] bool only_on(const stream_view* s) const noexcept {
+      return count == 1 && !overflow && s != nullptr && stream[0]->is(*s) && !stream[0]->retired;
+    }
   };
 
   using heap = detail::tlsf_heap<pending_frees>;
@@ -264,7 +274,7 @@ class pool_resource final : public memory_resource {
   enum tier : std::uint32_t { small_tier = 0, large_tier = 1 };
 
   struct alignas(64) shard {
-    std::mutex mutex;
+    detail::spin_lock mutex;  ///< held for a few dozen instructions, except around CUDA calls
     heap tiers[2] = {heap{granule}, heap{granule}};
     detail::address_map<block> live;  ///< address -> block, for blocks handed out or cached
     cache cached{granule};            ///< freed blocks kept whole (still in `live`)
@@ -355,7 +365,11 @@ class pool_resource final : public memory_resource {
   void* hand_out_cached(shard& sh, block* b, const stream_view* stream) {
     if (!b->tag.empty()) {
       try {
-        make_ready(sh, *b, stream);
+        if (b->tag.only_on(stream)) {
+          b->tag.clear();
+        } else {
+          make_ready(sh, *b, stream);
+        }
       } catch (...) {
         sh.cached.push(b);
         throw;
@@ -389,7 +403,11 @@ class pool_resource final : public memory_resource {
     }
     if (!b->tag.empty()) {
       try {
-        make_ready(sh, *b, stream);
+        if (b->tag.only_on(stream)) {
+          b->tag.clear();
+        } else {
+          make_ready(sh, *b, stream);
+        }
       } catch (...) {
         sh.tiers[t].free(b);
         throw;
@@ -502,7 +520,7 @@ class pool_resource final : public memory_resource {
     pending_frees& pending = b.tag;
     if (pending.overflow) {
       synchronize_device();
-      pending = {};
+      pending.clear();
       return;
     }
     for (std::size_t i = 0; i < pending.count; ++i) {
@@ -531,7 +549,7 @@ class pool_resource final : public memory_resource {
       }
     }
     (void)sh;
-    pending = {};
+    pending.clear();
   }
 
   /// Records rec's event on its stream now, covering every free made on it so far.

@@ -1,0 +1,59 @@
+// cudamem/detail/spin_lock.hpp — a test-and-test-and-set lock for critical sections of a few
+// dozen instructions: the lock of each pool_resource shard.
+//
+//   cudamem::detail::spin_lock lock;
+//   { const std::lock_guard guard(lock); ...short work... }
+//
+// Why not std::mutex (for a student): an uncontended std::mutex costs a call into the C
+// library and two atomic read-modify-write instructions (lock and unlock). Here the unlock is
+// a plain release store, and lock() is one exchange when the lock is free, all inline. When it
+// is taken, the waiter reads (not writes) the flag, so the cache line is not bounced between
+// cores, pausing the CPU between reads, and after a while yields its time slice, so a holder
+// that was descheduled, or that waits on the GPU (pool_resource holds the lock around the
+// rare CUDA event calls), gets the CPU instead of being spun against.
+//
+// Contract: BasicLockable and Lockable (lock, try_lock, unlock); not recursive; noexcept.
+#pragma once
+
+#include <atomic>
+#include <thread>
+
+namespace cudamem::detail {
+
+class spin_lock {
+ public:
+  void lock() noexcept {
+    while (locked_.exchange(true, std::memory_order_acquire)) {
+      wait_until_free();
+    }
+  }
+  [[nodiscard]] bool try_lock() noexcept {
+    return !locked_.load(std::memory_order_relaxed) &&
+           !locked_.exchange(true, std::memory_order_acquire);
+  }
+  void unlock() noexcept { locked_.store(false, std::memory_order_release); }
+
+ private:
+  void wait_until_free() const noexcept {
+    constexpr unsigned spins_before_yield = 64;
+    for (unsigned spins = 0; locked_.load(std::memory_order_relaxed); ++spins) {
+      if (spins < spins_before_yield) {
+        cpu_relax();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+  }
+
+  static void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
+
+  std::atomic<bool> locked_{false};
+};
+
+}  // namespace cudamem::detail
