@@ -7,9 +7,11 @@
 //     void* raw = tracked.allocate(4096);                   // main.cpp:13, never freed
 //   }
 //   std::puts(tracked.leaks().to_text().c_str());
+//   cudamem::tracking_adaptor timed{pool, {.timestamps = true}};  // "..., 0.012 ms after the
+//                                                                  // adaptor was made" too
 //   //   tracking_adaptor: 1 live allocation (4.00 KiB):
 //   //     4.00 KiB at 0x7f3a00000000 (alignment 256) allocated at main.cpp:13 in `int main()`,
-//   //       synchronous, thread 0x7f3b..., 0.012 ms after the adaptor was made
+//   //       synchronous, thread 0x7f3b...
 //   // and when `tracked` is destroyed, each leak goes to the error handler, with the leak's
 //   // allocation site as the report's location.
 //
@@ -17,7 +19,9 @@
 // - Records, for every allocation that succeeded: pointer, bytes, alignment, stream (or
 //   "synchronous"), the call site (`current_allocation_site()`: the line that called
 //   `allocate`, or the user's line an owner such as device_buffer passed through), the
-//   thread, and the time since the adaptor was made.
+//   thread, and, with `tracking_options::timestamps`, the time since the adaptor was made.
+//   Time is opt-in because it is the one item that costs: reading even the CPU's tick counter
+//   takes 5-15 ns, as much as the rest of the record together.
 // - `leaks()` lists the live allocations, oldest first, with their total; its `to_text()` is
 //   the readable form. At destruction each live allocation is reported through the error
 //   handler (`report_problem`, location = the allocation's call site); nothing is thrown and
@@ -26,24 +30,30 @@
 //   upstream never sees them and nothing is corrupted:
 //     a pointer this adaptor never gave out  ("never allocated here");
 //     a pointer already freed                 ("double free", naming where it was allocated;
-//                                              recognised among the last
-//                                              `remembered_frees` frees);
+//                                              recognised among the last 64 frees of its
+//                                              shard: `remembered_frees` in all);
 //     the wrong bytes or alignment            ("size mismatch": the allocation stays live and
 //                                              tracked, so a correct free later still works,
 //                                              and it is reported as a leak if none comes).
 //   `bad_frees()` counts them.
-// - Thread-safe: one mutex guards the record; the upstream is called outside it.
-// - Cost: one hash-map insert and erase per allocation, under the mutex, with the map's nodes
-//   recycled so that no host memory is allocated per request once warm.
+// - Thread-safe: the record is split into 16 shards by pointer, each with its own lock, so
+//   threads freeing different pointers rarely wait for each other; the upstream is called
+//   outside every lock. Sequence numbers are unique and follow the order of allocation.
+// - Cost (per request, on top of the upstream): one shard lock, one or two cache lines of an
+//   open-addressing table, two relaxed atomic adds per allocation and one per free, and the
+//   CPU's tick counter if timestamps are on (turned into time only for a report). No
+//   host memory is allocated per request: a shard's table grows by doubling, and that is all.
 #pragma once
 
 #include <cudamem/detail/adaptor_base.hpp>
+#include <cudamem/detail/allocation_table.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -55,8 +65,6 @@
 #include <string>
 #include <string_view>
 #include <thread>
-#include <unordered_map>
-#include <utility>
 #include <vector>
 
 namespace cudamem {
@@ -69,11 +77,12 @@ struct allocation_record {
   std::optional<cudaStream_t> stream;  ///< empty: the synchronous form
   std::source_location site;           ///< where the user asked for it
   std::thread::id thread;
-  std::chrono::nanoseconds time{0};  ///< since the tracking adaptor was made
+  std::optional<std::chrono::nanoseconds> time;  ///< since the adaptor was made, when it
+                                                 ///< records timestamps
   std::uint64_t sequence = 0;        ///< 0, 1, 2... in the order the allocations were made
 
   /// "1.00 MiB at 0x... (alignment 256) allocated at file:line in `function`, stream 0x...,
-  /// thread ..., 1.234 ms after the adaptor was made".
+  /// thread ..." and, with a time, ", 1.234 ms after the adaptor was made".
   [[nodiscard]] std::string to_text() const {
     std::ostringstream text;
     text << format_bytes(bytes) << " at " << pointer << " (alignment " << alignment
@@ -83,9 +92,13 @@ struct allocation_record {
     } else {
       text << "synchronous";
     }
-    char ms[32];
-    std::snprintf(ms, sizeof ms, "%.3f", std::chrono::duration<double, std::milli>(time).count());
-    text << ", thread " << thread << ", " << ms << " ms after the adaptor was made";
+    text << ", thread " << thread;
+    if (time) {
+      char ms[32];
+      std::snprintf(ms, sizeof ms, "%.3f",
+                    std::chrono::duration<double, std::milli>(*time).count());
+      text << ", " << ms << " ms after the adaptor was made";
+    }
     return text.str();
   }
 
@@ -122,13 +135,20 @@ struct leak_report {
   }
 };
 
+/// How a tracking_adaptor records.
+struct tracking_options {
+  bool timestamps = false;  ///< record when each allocation was made (costs a tick-counter read)
+};
+
 class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
  public:
-  /// How many recent frees are remembered to tell a double free from a stray pointer.
-  static constexpr std::size_t remembered_frees = 1024;
+  /// How many recent frees are remembered, in all, to tell a double free from a stray
+  /// pointer: the last 64 frees of each of the record's 16 shards (see the contract).
+  static constexpr std::size_t remembered_frees =
+      detail::allocation_shard::remembered_frees * detail::allocation_table::shard_count;
 
-  explicit tracking_adaptor(memory_resource& upstream)
-      : adaptor_base(upstream), start_(std::chrono::steady_clock::now()) {}
+  explicit tracking_adaptor(memory_resource& upstream, tracking_options options = {})
+      : adaptor_base(upstream), timestamps_(options.timestamps) {}
 
   /// Reports every allocation still live through the error handler (see the contract).
   ~tracking_adaptor() override { report_leaks(); }
@@ -140,12 +160,14 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
   [[nodiscard]] leak_report leaks() const {
     leak_report report;
     report.resource = "tracking_adaptor";
-    {
-      const std::lock_guard lock(mutex_);
-      report.leaks.reserve(live_.size());
-      for (const auto& entry : live_) {
-        report.leaks.push_back(entry.second);
-      }
+    const double ns_per_tick = clock_.nanoseconds_per_tick();
+    for (std::size_t i = 0; i < detail::allocation_table::shard_count; ++i) {
+      detail::allocation_shard& shard = table_.shard(i);
+      const std::lock_guard lock(shard.mutex());
+      report.leaks.reserve(report.leaks.size() + shard.size());
+      shard.for_each([&](const detail::tracked_allocation& entry) {
+        report.leaks.push_back(to_record(entry, ns_per_tick));
+      });
     }
     std::sort(report.leaks.begin(), report.leaks.end(),
               [](const allocation_record& a, const allocation_record& b) {
@@ -159,15 +181,28 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
 
   /// The record of one live allocation, if `p` is one.
   [[nodiscard]] std::optional<allocation_record> find(const void* p) const {
-    const std::lock_guard lock(mutex_);
-    const auto it = live_.find(const_cast<void*>(p));
-    return it == live_.end() ? std::nullopt : std::optional<allocation_record>{it->second};
+    detail::allocation_shard& shard = table_.shard_for(p);
+    detail::tracked_allocation entry;
+    {
+      const std::lock_guard lock(shard.mutex());
+      const detail::tracked_allocation* found = shard.find(p);
+      if (found == nullptr) {
+        return std::nullopt;
+      }
+      entry = *found;
+    }
+    return to_record(entry, clock_.nanoseconds_per_tick());
   }
 
   /// How many allocations are live.
   [[nodiscard]] std::size_t live_count() const {
-    const std::lock_guard lock(mutex_);
-    return live_.size();
+    std::size_t count = 0;
+    for (std::size_t i = 0; i < detail::allocation_table::shard_count; ++i) {
+      detail::allocation_shard& shard = table_.shard(i);
+      const std::lock_guard lock(shard.mutex());
+      count += shard.size();
+    }
+    return count;
   }
 
   /// How many bad frees (stray pointer, double free, size mismatch) have been reported.
@@ -195,38 +230,45 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
   friend class detail::adaptor_base<tracking_adaptor>;
 
   void* adapt_allocate(std::size_t bytes, std::size_t alignment, detail::request_stream stream) {
-    allocation_record record;
-    record.site = current_allocation_site();
+    const std::source_location site = current_allocation_site();
     void* p = forward_allocate(bytes, alignment, stream);
-    record.pointer = p;
-    record.bytes = bytes;
-    record.alignment = alignment;
-    if (stream) {
-      record.stream = stream->get();
+    if (p == nullptr) {  // nothing to track (and nothing will be freed)
+      return p;
     }
-    record.thread = std::this_thread::get_id();
-    record.time = std::chrono::steady_clock::now() - start_;
-    std::optional<allocation_record> displaced;  // an upstream bug, reported after the lock
+    const std::thread::id thread = std::this_thread::get_id();
+    const std::uint64_t ticks = timestamps_ ? detail::read_ticks() : 0;
+    const std::uint64_t sequence = next_sequence_.fetch_add(1, std::memory_order_relaxed);
+
+    detail::tracked_allocation displaced;
+    bool was_live = false;
+    detail::allocation_shard& shard = table_.shard_for(p);
     try {
-      const std::lock_guard lock(mutex_);
-      record.sequence = next_sequence_++;
-      const auto [it, inserted] = insert_live(record);
-      if (!inserted) {  // the upstream handed out a live pointer twice: its bug, not the user's
-        displaced = it->second;
-        used_bytes_ -= it->second.bytes;
-        it->second = record;
+      const std::lock_guard lock(shard.mutex());
+      detail::tracked_allocation& entry = shard.slot_for(p, was_live);
+      if (was_live) [[unlikely]] {
+        displaced = entry;
       }
-      used_bytes_ += bytes;
-      peak_used_bytes_ = std::max(peak_used_bytes_, used_bytes_);
-    } catch (...) {  // no host memory for the record: give the memory back rather than lose it
+      entry.bytes = bytes;
+      entry.stream = stream ? stream->get() : nullptr;
+      entry.site = site;
+      entry.thread = thread;
+      entry.ticks = ticks;
+      entry.sequence = sequence;
+      entry.alignment_log2 = static_cast<std::uint8_t>(std::countr_zero(alignment));
+      entry.synchronous = !stream;
+    } catch (...) {  // no host memory to grow the record: give the memory back, not lose it
       forward_deallocate(p, bytes, alignment, stream);
       throw;
     }
-    if (displaced) {
+    const std::size_t used = used_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+    detail::raise_to(peak_used_bytes_, used);
+    if (was_live) [[unlikely]] {  // the upstream handed out a live pointer twice: its bug
+      used_bytes_.fetch_sub(displaced.bytes, std::memory_order_relaxed);
       try {
         report_problem("tracking_adaptor: the upstream " +
                        std::string(upstream_resource().name()) + " returned " + describe(p) +
-                       ", which was still live (" + displaced->to_text() + ")");
+                       ", which was still live (" +
+                       to_record(displaced, clock_.nanoseconds_per_tick()).to_text() + ")");
       } catch (...) {  // p is the caller's now: never lose it over a message
       }
     }
@@ -237,25 +279,26 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
                         detail::request_stream stream) noexcept {
     enum class verdict { good, mismatch, double_free, stray };
     verdict found = verdict::stray;
-    allocation_record record;  // plain data: copying it under the lock allocates nothing
+    detail::tracked_allocation entry;  // plain data: copying it under the lock costs little
+    detail::allocation_shard& shard = table_.shard_for(p);
     {
-      const std::lock_guard lock(mutex_);
-      if (const auto it = live_.find(p); it != live_.end()) {
-        record = it->second;
-        if (record.bytes == bytes && record.alignment == alignment) {
+      const std::lock_guard lock(shard.mutex());
+      if (detail::tracked_allocation* live = shard.find(p)) {
+        if (live->bytes == bytes && live->alignment() == alignment) [[likely]] {
           found = verdict::good;
-          used_bytes_ -= bytes;
-          remember_free(record);
-          recycle(live_.extract(it));
+          shard.remember_free(*live);
+          shard.erase(live);
         } else {
           found = verdict::mismatch;
+          entry = *live;
         }
-      } else if (const allocation_record* freed = find_recent_free(p)) {
-        record = *freed;
+      } else if (const detail::tracked_allocation* freed = shard.find_recent_free(p)) {
+        entry = *freed;
         found = verdict::double_free;
       }
     }
-    if (found == verdict::good) {
+    if (found == verdict::good) [[likely]] {
+      used_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
       forward_deallocate(p, bytes, alignment, stream);
       return;
     }
@@ -266,14 +309,15 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
         case verdict::mismatch:
           problem = "size mismatch freeing " + describe(p) + ": deallocate(" +
                     std::to_string(bytes) + " bytes, alignment " + std::to_string(alignment) +
-                    ") but it was allocated as " + std::to_string(record.bytes) +
-                    " bytes, alignment " + std::to_string(record.alignment) + " at " +
-                    allocation_record::describe_site(record.site) +
+                    ") but it was allocated as " + std::to_string(entry.bytes) +
+                    " bytes, alignment " + std::to_string(entry.alignment()) + " at " +
+                    allocation_record::describe_site(entry.site) +
                     ". Not forwarded to the upstream; the allocation stays live.";
           break;
         case verdict::double_free:
           problem = "double free of " + describe(p) + " (" + std::to_string(bytes) +
-                    " bytes), already freed; it was allocated as " + record.to_text() +
+                    " bytes), already freed; it was allocated as " +
+                    to_record(entry, clock_.nanoseconds_per_tick()).to_text() +
                     ". Not forwarded to the upstream.";
           break;
         default:
@@ -288,62 +332,23 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
     }
   }
 
-  // Speed: the record is a hash map from pointer to allocation_record. Its nodes are recycled
-  // (extracted on free, reused on the next allocation), so the steady state allocates no host
-  // memory per request; recent frees live in a fixed ring, searched only when a free is bad.
-
-  using live_map = std::unordered_map<void*, allocation_record>;
-
-  /// Inserts `record` into the live map, reusing a spare node when there is one (mutex held).
-  std::pair<live_map::iterator, bool> insert_live(const allocation_record& record) {
-    if (spare_nodes_.empty()) {
-      return live_.try_emplace(record.pointer, record);
+  /// The public form of a stored entry, its ticks turned into time since construction.
+  allocation_record to_record(const detail::tracked_allocation& entry,
+                              double ns_per_tick) const noexcept {
+    allocation_record r;
+    r.pointer = entry.pointer;
+    r.bytes = entry.bytes;
+    r.alignment = entry.alignment();
+    if (!entry.synchronous) {
+      r.stream = entry.stream;
     }
-    live_map::node_type node = std::move(spare_nodes_.back());
-    spare_nodes_.pop_back();
-    node.key() = record.pointer;
-    node.mapped() = record;
-    auto result = live_.insert(std::move(node));
-    if (!result.inserted) {
-      recycle(std::move(result.node));
+    r.site = entry.site;
+    r.thread = entry.thread;
+    if (timestamps_) {
+      r.time = clock_.since_start(entry.ticks, ns_per_tick);
     }
-    return {result.position, result.inserted};
-  }
-
-  /// Keeps a freed node for the next allocation (mutex held); a bounded number of them.
-  void recycle(live_map::node_type node) noexcept {
-    if (spare_nodes_.size() < max_spare_nodes) {
-      try {
-        spare_nodes_.push_back(std::move(node));
-      } catch (...) {  // no room to keep it: the node is simply freed
-      }
-    }
-  }
-
-  /// Keeps `record` among the recent frees (mutex held). If the ring cannot grow, the free
-  /// still happens; only the double-free diagnosis for this pointer is lost.
-  void remember_free(const allocation_record& record) noexcept {
-    if (recent_frees_.size() < remembered_frees) {
-      try {
-        recent_frees_.push_back(record);
-      } catch (...) {
-      }
-      return;
-    }
-    recent_frees_[next_recent_free_] = record;
-    next_recent_free_ = (next_recent_free_ + 1) % remembered_frees;
-  }
-
-  /// The most recent remembered free of `p`, or null (mutex held). Linear, but only bad frees
-  /// get here.
-  const allocation_record* find_recent_free(const void* p) const noexcept {
-    const allocation_record* latest = nullptr;
-    for (const allocation_record& r : recent_frees_) {
-      if (r.pointer == p && (latest == nullptr || r.sequence > latest->sequence)) {
-        latest = &r;
-      }
-    }
-    return latest;
+    r.sequence = entry.sequence;
+    return r;
   }
 
   static std::string describe(const void* p) {
@@ -355,22 +360,23 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
   std::string_view do_name() const noexcept override { return "tracking_adaptor"; }
   resource_stats do_stats() const override {
     resource_stats s;
-    const std::lock_guard lock(mutex_);
-    s.reserved_bytes = s.used_bytes = used_bytes_;
-    s.peak_used_bytes = peak_used_bytes_;
+    s.reserved_bytes = s.used_bytes = used_bytes_.load(std::memory_order_relaxed);
+    s.peak_used_bytes = peak_used_bytes_.load(std::memory_order_relaxed);
     return s;
   }
 
-  const std::chrono::steady_clock::time_point start_;
-  mutable std::mutex mutex_;
-  static constexpr std::size_t max_spare_nodes = 4096;
-  live_map live_;                                  // guarded by mutex_
-  std::vector<live_map::node_type> spare_nodes_;  // guarded by mutex_
-  std::vector<allocation_record> recent_frees_;    // a ring once full, guarded by mutex_
-  std::size_t next_recent_free_ = 0;               // the ring's oldest entry, guarded by mutex_
-  std::uint64_t next_sequence_ = 0;                     // guarded by mutex_
-  std::size_t used_bytes_ = 0;                          // guarded by mutex_
-  std::size_t peak_used_bytes_ = 0;                     // guarded by mutex_
+  // Speed: the record is sharded by pointer (detail::allocation_table), so an allocate or a
+  // free takes one shard's lock and touches one or two of its cache lines; no host memory is
+  // allocated per request (a shard's table only grows, by doubling). Besides the shard lock,
+  // an allocation costs two relaxed atomic adds (its sequence number, the bytes in use) and a
+  // free one; the timestamp is the CPU's tick counter, not a clock call.
+  bool timestamps_;
+  detail::tick_calibration clock_;  // construction time, in both clocks
+  detail::allocation_table table_;   // the live allocations and recent frees
+  // Written by every allocating thread: kept off the line of the read-only members above.
+  alignas(64) std::atomic<std::uint64_t> next_sequence_{0};
+  std::atomic<std::size_t> used_bytes_{0};
+  std::atomic<std::size_t> peak_used_bytes_{0};
   std::atomic<std::size_t> bad_frees_{0};
 };
 
