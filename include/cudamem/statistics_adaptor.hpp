@@ -18,9 +18,15 @@
 // - `counters()`: bytes in use now (`current_bytes`), the most there has been (`peak_bytes`),
 //   the sum of all bytes allocated and freed, and the number of allocations and frees.
 //   Counted in requested bytes (what callers asked for, not what the upstream rounded to).
-// - Thread-safe. The counters are relaxed atomics: each is exact, but a `counters()` taken
-//   while other threads allocate may mix moments (e.g. current from just before a free whose
-//   count is already in). Cost: a few uncontended atomic adds per request.
+// - Thread-safe. Each counter is exact, but a `counters()` taken while other threads allocate
+//   may mix moments (e.g. current from just before a free whose count is already in).
+// - Cost: one atomic add per request (the bytes in use, which the peak needs at once), a
+//   relaxed load of the peak, and plain adds to counters that belong to the calling thread.
+//   Totals and counts live in per-thread slots (one cache line each, summed by `counters()`),
+//   so threads never write the same line for them and no locked instruction is spent on
+//   them. The first 64 threads that use an adaptor get a slot each (a thread that ends leaves
+//   its slot to the next thread given its id); further threads share one slot, updated with
+//   atomic adds (exact, a little slower).
 // - `scope` counts what passes through the adaptor, from any thread, between its construction
 //   and its destruction; scopes nest and overlap freely. Its `peak_bytes` is the most that
 //   `current_bytes` rose above its value when the scope opened. Scopes cost nothing while none
@@ -34,10 +40,14 @@
 #include <cudamem/memory_resource.hpp>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 namespace cudamem {
@@ -58,19 +68,70 @@ struct allocation_counters {
   }
 };
 
+namespace detail {
+
+/// The totals and counts one thread has added to a statistics_adaptor. Written only by the
+/// thread that owns it (plain load + store, no locked instruction) unless `shared` is set,
+/// when every thread without a slot of its own adds to it atomically.
+struct alignas(64) counter_slot {
+  std::atomic<std::thread::id> owner{};  // default id: free
+  bool shared = false;
+  std::atomic<std::size_t> allocated_bytes{0};
+  std::atomic<std::size_t> freed_bytes{0};
+  std::atomic<std::size_t> allocations{0};
+  std::atomic<std::size_t> deallocations{0};
+
+  void add(std::atomic<std::size_t>& counter, std::size_t value) noexcept {
+    if (shared) [[unlikely]] {
+      counter.fetch_add(value, std::memory_order_relaxed);
+    } else {  // only this thread writes it: a plain read-modify-write is exact
+      counter.store(counter.load(std::memory_order_relaxed) + value, std::memory_order_relaxed);
+    }
+  }
+};
+
+/// Which slot this thread uses in the adaptors it used last (most recent first). Keyed by an
+/// id no other adaptor in the process ever has, so a new adaptor at a dead one's address
+/// never finds the dead one's slot.
+struct counter_slot_cache {
+  static constexpr std::size_t ways = 4;
+  std::array<std::uint64_t, ways> adaptor{};  // 0: empty
+  std::array<counter_slot*, ways> slot{};
+};
+inline thread_local counter_slot_cache this_thread_counter_slots;
+
+/// A process-wide unique id for each statistics_adaptor (never 0).
+inline std::uint64_t next_statistics_adaptor_id() noexcept {
+  static std::atomic<std::uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
+}  // namespace detail
+
 class statistics_adaptor final : public detail::adaptor_base<statistics_adaptor> {
  public:
-  explicit statistics_adaptor(memory_resource& upstream) noexcept : adaptor_base(upstream) {}
+  /// Threads that get a counter slot of their own (see the contract).
+  static constexpr std::size_t thread_slots = 64;
+
+  explicit statistics_adaptor(memory_resource& upstream)
+      : adaptor_base(upstream),
+        id_(detail::next_statistics_adaptor_id()),
+        slots_(std::make_unique<detail::counter_slot[]>(thread_slots + 1)) {
+    slots_[thread_slots].shared = true;  // the last one: for threads beyond the first 64
+  }
 
   /// Everything since construction; see the contract for how exact it is under concurrency.
   [[nodiscard]] allocation_counters counters() const noexcept {
     allocation_counters c;
-    c.allocated_bytes = allocated_bytes_.load(std::memory_order_relaxed);
-    c.freed_bytes = freed_bytes_.load(std::memory_order_relaxed);
-    c.current_bytes = c.allocated_bytes > c.freed_bytes ? c.allocated_bytes - c.freed_bytes : 0;
+    for (std::size_t i = 0; i <= thread_slots; ++i) {
+      const detail::counter_slot& slot = slots_[i];
+      c.allocated_bytes += slot.allocated_bytes.load(std::memory_order_relaxed);
+      c.freed_bytes += slot.freed_bytes.load(std::memory_order_relaxed);
+      c.allocations += slot.allocations.load(std::memory_order_relaxed);
+      c.deallocations += slot.deallocations.load(std::memory_order_relaxed);
+    }
+    c.current_bytes = current_bytes_.load(std::memory_order_relaxed);
     c.peak_bytes = peak_bytes_.load(std::memory_order_relaxed);
-    c.allocations = allocations_.load(std::memory_order_relaxed);
-    c.deallocations = deallocations_.load(std::memory_order_relaxed);
     return c;
   }
 
@@ -120,13 +181,11 @@ class statistics_adaptor final : public detail::adaptor_base<statistics_adaptor>
 
   void* adapt_allocate(std::size_t bytes, std::size_t alignment, detail::request_stream stream) {
     void* p = forward_allocate(bytes, alignment, stream);
-    allocations_.fetch_add(1, std::memory_order_relaxed);
-    const std::size_t allocated =
-        allocated_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
-    // Current = allocated - freed; reading `freed` late can only overstate the current value by
-    // frees that raced with us, never invent a peak that was not (almost) reached.
-    const std::size_t freed = freed_bytes_.load(std::memory_order_relaxed);
-    const std::size_t current = allocated > freed ? allocated - freed : 0;
+    detail::counter_slot& mine = this_thread_slot();
+    mine.add(mine.allocations, 1);
+    mine.add(mine.allocated_bytes, bytes);
+    // The one shared write: the peak must see every thread's bytes at once.
+    const std::size_t current = current_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
     detail::raise_to(peak_bytes_, current);
     if (any_scope_open_.load(std::memory_order_relaxed)) [[unlikely]] {
       const std::lock_guard lock(scopes_mutex_);
@@ -140,8 +199,54 @@ class statistics_adaptor final : public detail::adaptor_base<statistics_adaptor>
   void adapt_deallocate(void* p, std::size_t bytes, std::size_t alignment,
                         detail::request_stream stream) noexcept {
     forward_deallocate(p, bytes, alignment, stream);
-    freed_bytes_.fetch_add(bytes, std::memory_order_relaxed);
-    deallocations_.fetch_add(1, std::memory_order_relaxed);
+    current_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
+    detail::counter_slot& mine = this_thread_slot();
+    mine.add(mine.deallocations, 1);
+    mine.add(mine.freed_bytes, bytes);
+  }
+
+  /// The calling thread's slot: from its cache when it used this adaptor lately, else found
+  /// or claimed (see the contract).
+  detail::counter_slot& this_thread_slot() noexcept {
+    detail::counter_slot_cache& cache = detail::this_thread_counter_slots;
+    if (cache.adaptor[0] == id_) [[likely]] {
+      return *cache.slot[0];
+    }
+    return find_slot(cache);
+  }
+
+  [[gnu::noinline]] detail::counter_slot& find_slot(detail::counter_slot_cache& cache) noexcept {
+    std::size_t way = 1;
+    while (way + 1 < detail::counter_slot_cache::ways && cache.adaptor[way] != id_) {
+      ++way;
+    }
+    detail::counter_slot* slot = cache.adaptor[way] == id_ ? cache.slot[way] : claim_slot();
+    // Most recent first: shift the others down over `way` (the oldest falls out if missed).
+    for (; way > 0; --way) {
+      cache.adaptor[way] = cache.adaptor[way - 1];
+      cache.slot[way] = cache.slot[way - 1];
+    }
+    cache.adaptor[0] = id_;
+    cache.slot[0] = slot;
+    return *slot;
+  }
+
+  /// The slot this thread owns (a thread that ended with this id left it), a free one, or the
+  /// shared one.
+  detail::counter_slot* claim_slot() noexcept {
+    const std::thread::id me = std::this_thread::get_id();
+    for (std::size_t i = 0; i < thread_slots; ++i) {
+      if (slots_[i].owner.load(std::memory_order_relaxed) == me) {
+        return &slots_[i];
+      }
+    }
+    for (std::size_t i = 0; i < thread_slots; ++i) {
+      std::thread::id free{};
+      if (slots_[i].owner.compare_exchange_strong(free, me, std::memory_order_relaxed)) {
+        return &slots_[i];
+      }
+    }
+    return &slots_[thread_slots];
   }
 
   std::string_view do_name() const noexcept override { return "statistics_adaptor"; }
@@ -153,14 +258,10 @@ class statistics_adaptor final : public detail::adaptor_base<statistics_adaptor>
     return s;
   }
 
-  // Bytes are counted as two running sums rather than one "current" counter: then an
-  // allocation is one atomic add for the bytes and one for the count, and "current" and
-  // "total" both come out of the same two numbers.
-  std::atomic<std::size_t> allocated_bytes_{0};
-  std::atomic<std::size_t> freed_bytes_{0};
+  const std::uint64_t id_;                             // see counter_slot_cache
+  std::unique_ptr<detail::counter_slot[]> slots_;      // thread_slots own, then the shared one
+  std::atomic<std::size_t> current_bytes_{0};
   std::atomic<std::size_t> peak_bytes_{0};
-  std::atomic<std::size_t> allocations_{0};
-  std::atomic<std::size_t> deallocations_{0};
 
   std::atomic<bool> any_scope_open_{false};
   mutable std::mutex scopes_mutex_;

@@ -8,6 +8,7 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -109,6 +110,66 @@ TEST_CASE("statistics: many threads, exact totals") {
   CHECK(c.peak_bytes <= 64 * threads);
   CHECK(whole.counters().allocations == threads * rounds);
   CHECK(whole.counters().peak_bytes <= 64 * threads);
+}
+
+TEST_CASE("statistics: more threads than slots, threads that come and go, exact totals") {
+  host_resource host;
+  statistics_adaptor counted{host};
+  // Waves of threads: more than thread_slots in all, some alive together; the late ones share
+  // the spare slot or inherit a finished thread's id. Every count must still be exact.
+  constexpr std::size_t waves = 5;
+  constexpr std::size_t per_wave = statistics_adaptor::thread_slots / 2 + 3;
+  constexpr int rounds = 200;
+  for (std::size_t w = 0; w < waves; ++w) {
+    std::vector<std::thread> workers;
+    for (std::size_t t = 0; t < per_wave; ++t) {
+      workers.emplace_back([&counted, t] {
+        for (int i = 0; i < rounds; ++i) {
+          void* p = counted.allocate(8 + t);
+          counted.deallocate(p, 8 + t);
+        }
+      });
+    }
+    for (auto& worker : workers) {
+      worker.join();
+    }
+  }
+  std::size_t bytes_per_wave = 0;
+  for (std::size_t t = 0; t < per_wave; ++t) {
+    bytes_per_wave += (8 + t) * rounds;
+  }
+  const allocation_counters c = counted.counters();
+  CHECK(c.allocations == waves * per_wave * rounds);
+  CHECK(c.deallocations == waves * per_wave * rounds);
+  CHECK(c.allocated_bytes == waves * bytes_per_wave);
+  CHECK(c.freed_bytes == waves * bytes_per_wave);
+  CHECK(c.current_bytes == 0);
+}
+
+TEST_CASE("statistics: one thread alternating between many adaptors counts each apart") {
+  host_resource host;
+  // More adaptors than a thread remembers slots for, used in turn, then a new adaptor made
+  // where an old one was: each sees only its own traffic.
+  std::vector<std::unique_ptr<statistics_adaptor>> adaptors;
+  for (int i = 0; i < 6; ++i) {
+    adaptors.push_back(std::make_unique<statistics_adaptor>(host));
+  }
+  for (int round = 0; round < 10; ++round) {
+    for (std::size_t i = 0; i < adaptors.size(); ++i) {
+      void* p = adaptors[i]->allocate(16 * (i + 1));
+      adaptors[i]->deallocate(p, 16 * (i + 1));
+    }
+  }
+  for (std::size_t i = 0; i < adaptors.size(); ++i) {
+    const allocation_counters c = adaptors[i]->counters();
+    CHECK(c.allocations == 10);
+    CHECK(c.allocated_bytes == 160 * (i + 1));
+    CHECK(c.peak_bytes == 16 * (i + 1));
+  }
+  adaptors[0] = std::make_unique<statistics_adaptor>(host);  // may reuse the old address
+  void* p = adaptors[0]->allocate(1);
+  CHECK(adaptors[0]->counters().allocations == 1);
+  adaptors[0]->deallocate(p, 1);
 }
 
 TEST_CASE("limiting: within the budget, then over it with the budget verdict") {
