@@ -226,24 +226,28 @@ class pool_resource final : public memory_resource {
     }
   };
 
-  /// Per free block: the frees it is made of that may still be pending, by stream.
+  /// Per free block: the frees it is made of that may still be pending, by stream. The count
+  /// and the first entry come first: with the block's own fields they share one cache line.
   struct pending_frees {
     static constexpr std::size_t capacity = 4;
-    std::array<stream_record*, capacity> stream{};
-    std::array<std::uint64_t, capacity> free_count{};
+    struct entry {
+      stream_record* stream;
+      std::uint64_t free_count;  ///< rec->frees just after the last free on it in this block
+    };
     std::uint8_t count = 0;
     bool overflow = false;  ///< more streams than fit: hand out only after a device sync
+    std::array<entry, capacity> entries{};
 
     void absorb(const pending_frees& other) noexcept {
       overflow = overflow || other.overflow;
       for (std::size_t i = 0; i < other.count; ++i) {
-        add(other.stream[i], other.free_count[i]);
+        add(other.entries[i].stream, other.entries[i].free_count);
       }
     }
     void add(stream_record* rec, std::uint64_t n) noexcept {
       for (std::size_t j = 0; j < count; ++j) {
-        if (stream[j] == rec) {
-          free_count[j] = std::max(free_count[j], n);
+        if (entries[j].stream == rec) {
+          entries[j].free_count = std::max(entries[j].free_count, n);
           return;
         }
       }
@@ -251,8 +255,7 @@ class pool_resource final : public memory_resource {
         overflow = true;
         return;
       }
-      stream[count] = rec;
-      free_count[count] = n;
+      entries[count] = {rec, n};
       ++count;
     }
     [[nodiscard]] bool empty() const noexcept { return count == 0 && !overflow; }
@@ -263,7 +266,8 @@ class pool_resource final : public memory_resource {
     /// True when the only pending frees were made on `stream` (not retired): stream order
     /// alone separates them from a request on it (the common case, checked inline).
     [[nodiscard]] bool only_on(const stream_view* s) const noexcept {
-      return count == 1 && !overflow && s != nullptr && stream[0]->is(*s) && !stream[0]->retired;
+      return count == 1 && !overflow && s != nullptr && entries[0].stream->is(*s) &&
+             !entries[0].stream->retired;
     }
   };
 
@@ -524,8 +528,8 @@ class pool_resource final : public memory_resource {
       return;
     }
     for (std::size_t i = 0; i < pending.count; ++i) {
-      stream_record& rec = *pending.stream[i];
-      const std::uint64_t n = pending.free_count[i];
+      stream_record& rec = *pending.entries[i].stream;
+      const std::uint64_t n = pending.entries[i].free_count;
       if (n <= rec.done || (stream != nullptr && rec.is(*stream) && !rec.retired)) {
         continue;  // complete, or ordered before this request by the stream itself
       }

@@ -40,9 +40,11 @@ namespace cudamem::detail {
 template <class Block>
 class block_cache {
  public:
-  static constexpr unsigned steps_log2 = 3;  ///< 8 classes per power of two
+  static constexpr unsigned steps_log2 = 4;  ///< 16 classes per power of two
   static constexpr std::size_t exact_below = std::size_t{2} << steps_log2;  ///< in granules
   static constexpr std::size_t class_count = std::size_t{64 - steps_log2 + 1} << steps_log2;
+  /// How many classes above its own a request looks at (blocks there are at most 1/8 larger).
+  static constexpr std::size_t classes_above = 2;
 
   explicit block_cache(std::size_t granule) noexcept
       : granule_log2_(static_cast<unsigned>(std::countr_zero(granule))) {}
@@ -78,9 +80,12 @@ class block_cache {
     if (b != nullptr && b->size >= size && (b->address & address_mask) == 0) {
       return unlink(index);
     }
-    b = heads_[index + 1];  // every block there is larger; is it close enough?
-    if (b != nullptr && b->size - size <= size / 8 && (b->address & address_mask) == 0) {
-      return unlink(index + 1);
+    // Every block of the next classes is larger: take one if it is close enough.
+    for (std::size_t next = index + 1; next <= index + classes_above && next <= top_index_; ++next) {
+      b = heads_[next];
+      if (b != nullptr && b->size - size <= size / 8 && (b->address & address_mask) == 0) {
+        return unlink(next);
+      }
     }
     return nullptr;
   }
@@ -135,7 +140,7 @@ class block_cache {
   }
 
   unsigned granule_log2_;
-  Block* heads_[class_count + 1] = {};  ///< one spare, so pop may look at index + 1
+  Block* heads_[class_count] = {};
   std::size_t bytes_ = 0;
   std::size_t count_ = 0;
   std::size_t top_index_ = 0;  ///< no stack above this index is non-empty

@@ -60,21 +60,22 @@ struct no_tag {
 template <class Tag>
 struct tlsf_region;
 
-/// One block of a region: free or in use. Host-side only.
+/// One block of a region: free or in use. Host-side only. The fields a user touches when it
+/// reuses a block whole (pool_resource's cache) come first, in the first cache line.
 template <class Tag>
-struct tlsf_block {
+struct alignas(64) tlsf_block {
   std::uintptr_t address = 0;
   std::size_t size = 0;
-  tlsf_block* prev_phys = nullptr;  ///< the block just below in the same region, or nullptr
-  tlsf_block* next_phys = nullptr;  ///< the block just above in the same region, or nullptr
-  tlsf_block* prev_free = nullptr;  ///< size-class list links, meaningful while free
-  tlsf_block* next_free = nullptr;
-  tlsf_region<Tag>* region = nullptr;
   /// Free for the heap's user while the block is in use (pool_resource: its block_cache).
   tlsf_block* next_cached = nullptr;
   bool free = false;
   bool cached = false;  ///< also the user's, like next_cached
   Tag tag{};
+  tlsf_block* prev_phys = nullptr;  ///< the block just below in the same region, or nullptr
+  tlsf_block* next_phys = nullptr;  ///< the block just above in the same region, or nullptr
+  tlsf_block* prev_free = nullptr;  ///< size-class list links, meaningful while free
+  tlsf_block* next_free = nullptr;
+  tlsf_region<Tag>* region = nullptr;
 };
 
 /// One contiguous range given to the heap.
