@@ -238,23 +238,25 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
     const std::thread::id thread = std::this_thread::get_id();
     const std::uint64_t ticks = timestamps_ ? detail::read_ticks() : 0;
     const std::uint64_t sequence = next_sequence_.fetch_add(1, std::memory_order_relaxed);
+    const auto alignment_log2 = static_cast<std::uint8_t>(std::countr_zero(alignment));
 
     detail::tracked_allocation displaced;
     bool was_live = false;
     detail::allocation_shard& shard = table_.shard_for(p);
     try {
       const std::lock_guard lock(shard.mutex());
-      detail::tracked_allocation& entry = shard.slot_for(p, was_live);
+      detail::tracked_allocation& entry = shard.add(p, bytes, alignment_log2, was_live);
       if (was_live) [[unlikely]] {
         displaced = entry;
+        entry.pointer = p;
+        entry.bytes = bytes;
+        entry.alignment_log2 = alignment_log2;
       }
-      entry.bytes = bytes;
       entry.stream = stream ? stream->get() : nullptr;
       entry.site = site;
       entry.thread = thread;
       entry.ticks = ticks;
       entry.sequence = sequence;
-      entry.alignment_log2 = static_cast<std::uint8_t>(std::countr_zero(alignment));
       entry.synchronous = !stream;
     } catch (...) {  // no host memory to grow the record: give the memory back, not lose it
       forward_deallocate(p, bytes, alignment, stream);
@@ -277,27 +279,19 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
 
   void adapt_deallocate(void* p, std::size_t bytes, std::size_t alignment,
                         detail::request_stream stream) noexcept {
-    enum class verdict { good, mismatch, double_free, stray };
-    verdict found = verdict::stray;
-    detail::tracked_allocation entry;  // plain data: copying it under the lock costs little
+    using detail::release_result;
+    // A wrong alignment need not be a power of two: give it a log2 that no record has.
+    const auto alignment_log2 = static_cast<std::uint8_t>(
+        alignment != 0 && (alignment & (alignment - 1)) == 0 ? std::countr_zero(alignment)
+                                                             : 0xff);
+    detail::tracked_allocation entry;  // what a bad free found, for the message
+    release_result found;
     detail::allocation_shard& shard = table_.shard_for(p);
     {
       const std::lock_guard lock(shard.mutex());
-      if (detail::tracked_allocation* live = shard.find(p)) {
-        if (live->bytes == bytes && live->alignment() == alignment) [[likely]] {
-          found = verdict::good;
-          shard.remember_free(*live);
-          shard.erase(live);
-        } else {
-          found = verdict::mismatch;
-          entry = *live;
-        }
-      } else if (const detail::tracked_allocation* freed = shard.find_recent_free(p)) {
-        entry = *freed;
-        found = verdict::double_free;
-      }
+      found = shard.release(p, bytes, alignment_log2, entry);
     }
-    if (found == verdict::good) [[likely]] {
+    if (found == release_result::freed) [[likely]] {
       used_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
       forward_deallocate(p, bytes, alignment, stream);
       return;
@@ -306,7 +300,7 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
     try {
       std::string problem;
       switch (found) {
-        case verdict::mismatch:
+        case release_result::size_mismatch:
           problem = "size mismatch freeing " + describe(p) + ": deallocate(" +
                     std::to_string(bytes) + " bytes, alignment " + std::to_string(alignment) +
                     ") but it was allocated as " + std::to_string(entry.bytes) +
@@ -314,7 +308,7 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
                     allocation_record::describe_site(entry.site) +
                     ". Not forwarded to the upstream; the allocation stays live.";
           break;
-        case verdict::double_free:
+        case release_result::double_free:
           problem = "double free of " + describe(p) + " (" + std::to_string(bytes) +
                     " bytes), already freed; it was allocated as " +
                     to_record(entry, clock_.nanoseconds_per_tick()).to_text() +

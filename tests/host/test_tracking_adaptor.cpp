@@ -8,6 +8,8 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <chrono>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -299,4 +301,195 @@ TEST_CASE("seed program: the leaked allocation is named by file and line") {
   CHECK(contains(errors.messages()[0], "64.00 KiB"));
   CHECK(host.stats().used_bytes == 1 << 16);
   host.deallocate(leaked, 1 << 16);
+}
+
+// --- the record's own structure: growth, removal in any order, recent frees, threads ---------
+
+TEST_CASE("thousands of live allocations, freed in a scattered order, stay exactly tracked") {
+  host_resource host;
+  captured_errors errors;
+  tracking_adaptor tracked{host};
+  constexpr std::size_t count = 5000;  // grows every shard's table and record store many times
+  std::vector<std::pair<void*, std::size_t>> live;
+  for (std::size_t i = 0; i < count; ++i) {
+    const std::size_t bytes = 8 + i % 97;
+    live.emplace_back(tracked.allocate(bytes, 8), bytes);
+  }
+  CHECK(tracked.live_count() == count);
+  CHECK(tracked.leaks().leaks.size() == count);
+  // Free every third one, then check that each remaining one is still found with its size.
+  std::vector<std::pair<void*, std::size_t>> kept;
+  for (std::size_t i = 0; i < live.size(); ++i) {
+    if (i % 3 == 1) {
+      tracked.deallocate(live[i].first, live[i].second, 8);
+    } else {
+      kept.push_back(live[i]);
+    }
+  }
+  REQUIRE(tracked.live_count() == kept.size());
+  std::size_t found = 0;
+  for (const auto& [p, bytes] : kept) {
+    const auto record = tracked.find(p);
+    found += record && record->bytes == bytes && record->alignment == 8 ? 1 : 0;
+  }
+  CHECK(found == kept.size());
+  const leak_report leaks = tracked.leaks();
+  REQUIRE(leaks.leaks.size() == kept.size());
+  CHECK(std::is_sorted(leaks.leaks.begin(), leaks.leaks.end(),
+                       [](const allocation_record& a, const allocation_record& b) {
+                         return a.sequence < b.sequence;
+                       }));
+  // Free the rest from the back, and the table is empty again.
+  for (auto it = kept.rbegin(); it != kept.rend(); ++it) {
+    tracked.deallocate(it->first, it->second, 8);
+  }
+  CHECK(tracked.live_count() == 0);
+  CHECK(tracked.stats().used_bytes == 0);
+  CHECK(host.stats().used_bytes == 0);
+  CHECK(errors.messages().empty());
+}
+
+TEST_CASE("a double free long after the free is still not forwarded") {
+  counting_resource counting;
+  captured_errors errors;
+  tracking_adaptor tracked{counting};
+  void* p = tracked.allocate(64);
+  tracked.deallocate(p, 64);
+  // Many frees later (more than the record remembers), the stale pointer is reported as one
+  // never given out; either way the upstream never sees the second free.
+  std::vector<void*> others;
+  for (std::size_t i = 0; i < 2 * tracking_adaptor::remembered_frees; ++i) {
+    others.push_back(tracked.allocate(64));
+  }
+  const bool reused = std::find(others.begin(), others.end(), p) != others.end();
+  for (void* q : others) {
+    tracked.deallocate(q, 64);
+  }
+  const std::size_t frees_before = counting.frees;
+  tracked.deallocate(p, 64);
+  if (reused) {  // p was live again and freed again: this one is a double free
+    REQUIRE(errors.messages().size() == 1);
+  } else {
+    REQUIRE(errors.messages().size() == 1);
+    CHECK((contains(errors.messages()[0], "double free") ||
+           contains(errors.messages()[0], "never gave out")));
+  }
+  CHECK(counting.frees == frees_before);
+  CHECK(tracked.bad_frees() == 1);
+}
+
+TEST_CASE("a double free names the allocation's line even with other frees in between") {
+  host_resource host;
+  captured_errors errors;
+  tracking_adaptor tracked{host, {.timestamps = true}};
+  const unsigned line = __LINE__ + 1;
+  void* p = tracked.allocate(128);
+  std::vector<void*> others;
+  for (int i = 0; i < 20; ++i) {
+    others.push_back(tracked.allocate(128));
+  }
+  tracked.deallocate(p, 128);
+  for (void* q : others) {
+    tracked.deallocate(q, 128);
+  }
+  tracked.deallocate(p, 128);
+  REQUIRE(errors.messages().size() == 1);
+  CHECK(contains(errors.messages()[0], "double free"));
+  CHECK(contains(errors.messages()[0], "test_tracking_adaptor.cpp:" + std::to_string(line)));
+  CHECK(contains(errors.messages()[0], "ms after the adaptor was made"));  // timestamps on
+}
+
+TEST_CASE("timestamps: off by default, on request increasing from the adaptor's start") {
+  host_resource host;
+  tracking_adaptor plain{host};
+  void* a = plain.allocate(16);
+  CHECK_FALSE(plain.find(a)->time.has_value());
+  CHECK(plain.find(a)->to_text().find("ms after") == std::string::npos);
+  plain.deallocate(a, 16);
+
+  tracking_adaptor timed{host, {.timestamps = true}};
+  void* first = timed.allocate(16);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  void* second = timed.allocate(16);
+  const auto t1 = timed.find(first)->time;
+  const auto t2 = timed.find(second)->time;
+  REQUIRE(t1.has_value());
+  REQUIRE(t2.has_value());
+  CHECK(*t2 - *t1 >= std::chrono::milliseconds(1));
+  CHECK(*t2 < std::chrono::seconds(60));
+  timed.deallocate(first, 16);
+  timed.deallocate(second, 16);
+}
+
+TEST_CASE("freed on another thread than the one that allocated") {
+  host_resource host;
+  captured_errors errors;
+  tracking_adaptor tracked{host};
+  constexpr int pairs = 4;
+  constexpr int rounds = 3000;
+  // Producers allocate, consumers free what the producer beside them made.
+  std::vector<std::vector<void*>> handed(pairs);
+  std::vector<std::thread> producers;
+  for (int t = 0; t < pairs; ++t) {
+    producers.emplace_back([&, t] {
+      for (int i = 0; i < rounds; ++i) {
+        handed[static_cast<std::size_t>(t)].push_back(tracked.allocate(32 + t, 16));
+      }
+    });
+  }
+  for (auto& p : producers) {
+    p.join();
+  }
+  CHECK(tracked.live_count() == pairs * rounds);
+  std::vector<std::thread> consumers;
+  for (int t = 0; t < pairs; ++t) {
+    consumers.emplace_back([&, t] {
+      for (void* p : handed[static_cast<std::size_t>(t)]) {
+        tracked.deallocate(p, 32 + t, 16);
+      }
+    });
+  }
+  for (auto& c : consumers) {
+    c.join();
+  }
+  CHECK(tracked.live_count() == 0);
+  CHECK(tracked.stats().used_bytes == 0);
+  CHECK(tracked.stats().peak_used_bytes == std::size_t{rounds} * (32 + 33 + 34 + 35));
+  CHECK(errors.messages().empty());
+}
+
+namespace {
+
+/// Hands out the same address twice without a free in between: an upstream bug the tracking
+/// adaptor must report without losing either allocation's bookkeeping.
+class repeating_resource final : public memory_resource {
+ public:
+  repeating_resource() : memory_resource(memory_kind::host, -1) {}
+  alignas(256) unsigned char storage[256]{};
+
+ private:
+  void* do_allocate(std::size_t, std::size_t, stream_view) override { return storage; }
+  void do_deallocate(void*, std::size_t, std::size_t, stream_view) noexcept override {}
+  void* do_allocate_sync(std::size_t, std::size_t) override { return storage; }
+  void do_deallocate_sync(void*, std::size_t, std::size_t) noexcept override {}
+  std::string_view do_name() const noexcept override { return "repeating"; }
+};
+
+}  // namespace
+
+TEST_CASE("an upstream that returns a live pointer again is reported, the newer one tracked") {
+  repeating_resource repeating;
+  captured_errors errors;
+  tracking_adaptor tracked{repeating};
+  void* a = tracked.allocate(100);
+  void* b = tracked.allocate(200);
+  REQUIRE(a == b);
+  REQUIRE(errors.messages().size() == 1);
+  CHECK(contains(errors.messages()[0], "still live"));
+  CHECK(tracked.live_count() == 1);
+  CHECK(tracked.find(a)->bytes == 200);
+  CHECK(tracked.stats().used_bytes == 200);
+  tracked.deallocate(b, 200);
+  CHECK(tracked.live_count() == 0);
+  CHECK(tracked.stats().used_bytes == 0);
 }

@@ -1,10 +1,12 @@
 // cudamem/detail/allocation_table.hpp — the tracking adaptor's record of live allocations:
-// a table from pointer to a compact 64-byte entry, split into lock-striped shards so that
+// a table from pointer to a compact 64-byte record, split into lock-striped shards so that
 // threads freeing different pointers rarely meet, and each shard an open-addressing hash
 // table so that a lookup touches one or two cache lines and no node is allocated per entry.
 //
-//   detail::allocation_table table;
-//   table.shard_for(p).lock() ... insert / find / erase, remember_free / find_recent_free
+//   detail::allocation_shard& shard = table.shard_for(p);
+//   const std::lock_guard lock(shard.mutex());
+//   tracked_allocation& r = shard.add(p, bytes, alignment_log2, was_live);  // fill in the rest
+//   shard.release(p, bytes, alignment_log2, found)   // freed / size_mismatch / double_free...
 //
 // What is in here, and why each is shaped the way it is:
 // - `spin_mutex`: a shard's lock is held for a few dozen instructions, so a waiter spins a
@@ -14,11 +16,14 @@
 //   ARM virtual counter; steady_clock elsewhere). Ticks become nanoseconds only when a report
 //   is written (`tick_calibration`), so the hot path never pays for a clock call.
 // - `tracked_allocation`: what is stored per allocation, trivially copyable, one cache line.
-// - `allocation_shard`: a linear-probing table kept at most half full (grown by doubling,
-//   the only host allocation, amortised), deleted from by backward shift (no tombstones, so
-//   a table that sees millions of allocate/free pairs never degrades), plus a fixed ring of
-//   the shard's recent frees for telling a double free from a stray pointer. A pointer always
-//   maps to the same shard, so its frees are remembered exactly where a second free will look.
+// - `allocation_shard`: a linear-probing table of small keys (pointer, bytes, alignment,
+//   record index) kept at most half full, deleted from by backward shift (no tombstones, so a
+//   table that sees millions of allocate/free pairs never degrades); the full records beside
+//   it, in slots that do not move; and a ring of the shard's recent frees for telling a
+//   double free from a stray pointer. A pointer always maps to the same shard, so its frees
+//   are remembered exactly where a second free will look. Arrays grow by doubling, the only
+//   host allocation (amortised, never per request); a free checks and removes a pointer
+//   touching one cache line of keys, which is what keeps large live sets fast.
 #pragma once
 
 #include <cudamem/stream.hpp>
@@ -29,6 +34,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <source_location>
 #include <thread>
 #include <type_traits>
@@ -129,7 +135,23 @@ inline std::uint64_t hash_pointer(const void* p) noexcept {
   return static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(p)) * 0x9E3779B97F4A7C15ull;
 }
 
+/// What `allocation_shard::release` found.
+enum class release_result {
+  freed,          ///< live, bytes and alignment matched: removed
+  size_mismatch,  ///< live, but allocated with other bytes or alignment: left live
+  double_free,    ///< among the shard's recent frees
+  unknown,        ///< never seen (or freed long ago)
+};
+
 /// One lock stripe of the table. Every member but the lock is guarded by the lock.
+///
+/// Two arrays, so that the hot path touches as few cache lines as it can:
+/// - `keys_`, the hash table proper: pointer, bytes, alignment and where the full record is,
+///   32 bytes a slot. A free is checked and removed using this line alone.
+/// - `records_`, the full records, each in a slot of its own that never moves while the
+///   allocation lives. A freed record is not reused at once: its index goes into a ring of the
+///   shard's last `remembered_frees` frees (which is how a double free is recognised, record
+///   and all), and only when it falls out of the ring is it handed to a new allocation.
 class alignas(64) allocation_shard {
  public:
   /// Frees remembered per shard, to recognise a double free.
@@ -139,121 +161,207 @@ class alignas(64) allocation_shard {
 
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
 
-  /// The live entry for `p`, or nullptr.
+  /// The live record of `p`, or nullptr.
   [[nodiscard]] tracked_allocation* find(const void* p) noexcept {
-    if (slots_.empty()) {
+    const live_key* key = find_key(p);
+    return key == nullptr ? nullptr : &records_[key->record];
+  }
+
+  /// The record for the new allocation `p`, with pointer, bytes and alignment set; the caller
+  /// fills in the rest (straight into the table: no copy of a record on the way). If `p` is
+  /// already live, `was_live` is set and the record still holds the old entry until the
+  /// caller overwrites it. Throws std::bad_alloc (leaving the shard as it was) only when the
+  /// shard must grow and cannot.
+  tracked_allocation& add(void* p, std::size_t bytes, std::uint8_t alignment_log2,
+                          bool& was_live) {
+    // Everything that can throw comes first, so a failure changes nothing.
+    if ((size_ + 1) * 2 > keys_.size()) {
+      grow_keys();
+    }
+    if (reusable_.empty() && records_.size() == records_.capacity()) {
+      grow_records();
+    }
+    std::size_t i = home_of(p);
+    while (keys_[i].pointer != nullptr && keys_[i].pointer != p) {
+      i = (i + 1) & mask_;
+    }
+    live_key& key = keys_[i];
+    was_live = key.pointer != nullptr;
+    if (!was_live) {
+      key.pointer = p;
+      key.record = take_record();
+      ++size_;
+    }
+    key.bytes = bytes;
+    key.alignment_log2 = alignment_log2;
+    tracked_allocation& record = records_[key.record];
+    if (!was_live) {
+      record.pointer = p;
+      record.bytes = bytes;
+      record.alignment_log2 = alignment_log2;
+    }
+    return record;
+  }
+
+  /// Frees `p` from the record if it is live with these bytes and alignment; otherwise says
+  /// why not, with the record it found (live or recently freed) copied to `found`.
+  release_result release(const void* p, std::size_t bytes, std::uint8_t alignment_log2,
+                         tracked_allocation& found) noexcept {
+    live_key* key = find_key(p);
+    if (key == nullptr) {
+      if (const tracked_allocation* freed = find_recent_free(p)) {
+        found = *freed;
+        return release_result::double_free;
+      }
+      return release_result::unknown;
+    }
+    if (key->bytes != bytes || key->alignment_log2 != alignment_log2) [[unlikely]] {
+      found = records_[key->record];
+      return release_result::size_mismatch;
+    }
+    remember_free(key->record);
+    erase(key);
+    return release_result::freed;
+  }
+
+  /// Calls `visit(record)` for every live allocation.
+  template <class Visit>
+  void for_each(Visit&& visit) const {
+    for (const live_key& key : keys_) {
+      if (key.pointer != nullptr) {
+        visit(records_[key.record]);
+      }
+    }
+  }
+
+ private:
+  static constexpr unsigned shard_bits = 4;  // 16 shards: see allocation_table
+  static constexpr std::uint32_t no_record = ~std::uint32_t{0};
+
+  struct live_key {
+    void* pointer = nullptr;  // nullptr: an empty slot
+    std::size_t bytes = 0;
+    std::uint32_t record = 0;  // index into records_
+    std::uint8_t alignment_log2 = 0;
+  };
+
+  [[nodiscard]] std::size_t home_of(const void* p) const noexcept {
+    return static_cast<std::size_t>(hash_pointer(p) >> (64 - shard_bits - table_bits_)) & mask_;
+  }
+
+  [[nodiscard]] live_key* find_key(const void* p) noexcept {
+    if (keys_.empty()) {
       return nullptr;
     }
     for (std::size_t i = home_of(p);; i = (i + 1) & mask_) {
-      if (slots_[i].pointer == p) {
-        return &slots_[i];
+      if (keys_[i].pointer == p) {
+        return &keys_[i];
       }
-      if (slots_[i].pointer == nullptr) {
+      if (keys_[i].pointer == nullptr) {
         return nullptr;
       }
     }
   }
 
-  /// The slot where the new allocation `p` goes, its pointer set; the caller fills in the
-  /// rest (written straight into the table: no copy of a record on the way). If `p` is
-  /// already live, `was_live` is set and the slot still holds the old entry. Throws
-  /// std::bad_alloc (leaving the table as it was) only when the table must grow and cannot.
-  tracked_allocation& slot_for(void* p, bool& was_live) {
-    if ((size_ + 1) * 2 > slots_.size()) {
-      grow();
-    }
-    std::size_t i = home_of(p);
-    while (slots_[i].pointer != nullptr) {
-      if (slots_[i].pointer == p) {
-        was_live = true;
-        return slots_[i];
-      }
-      i = (i + 1) & mask_;
-    }
-    was_live = false;
-    slots_[i].pointer = p;
-    ++size_;
-    return slots_[i];
-  }
-
-  /// Removes the entry `found` (from find()). Later entries of its probe run move back into
-  /// the hole, so lookups never need tombstones.
-  void erase(tracked_allocation* found) noexcept {
-    auto hole = static_cast<std::size_t>(found - slots_.data());
-    for (std::size_t next = (hole + 1) & mask_; slots_[next].pointer != nullptr;
+  /// Removes `found`. Later keys of its probe run move back into the hole, so lookups never
+  /// need tombstones. (Only keys move: records stay where they are.)
+  void erase(live_key* found) noexcept {
+    auto hole = static_cast<std::size_t>(found - keys_.data());
+    for (std::size_t next = (hole + 1) & mask_; keys_[next].pointer != nullptr;
          next = (next + 1) & mask_) {
-      const std::size_t home = home_of(slots_[next].pointer);
-      // The entry may move back to the hole if the hole is not before its home slot
+      const std::size_t home = home_of(keys_[next].pointer);
+      // The key may move back to the hole if the hole is not before its home slot
       // (cyclically): its distance from home is at least its distance from the hole.
       if (((next - home) & mask_) >= ((next - hole) & mask_)) {
-        slots_[hole] = slots_[next];
+        keys_[hole] = keys_[next];
         hole = next;
       }
     }
-    slots_[hole].pointer = nullptr;
+    keys_[hole].pointer = nullptr;
     --size_;
   }
 
-  /// Calls `visit(entry)` for every live entry.
-  template <class Visit>
-  void for_each(Visit&& visit) const {
-    for (const tracked_allocation& entry : slots_) {
-      if (entry.pointer != nullptr) {
-        visit(entry);
-      }
+  /// A record slot for a new allocation: one that fell out of the recent-free ring, else a
+  /// new one (add() made sure there is room, so this cannot throw).
+  std::uint32_t take_record() noexcept {
+    if (!reusable_.empty()) {
+      const std::uint32_t index = reusable_.back();
+      reusable_.pop_back();
+      return index;
     }
+    records_.emplace_back();
+    return static_cast<std::uint32_t>(records_.size() - 1);
   }
 
-  /// Keeps `entry` among this shard's recent frees (the oldest is forgotten).
-  void remember_free(const tracked_allocation& entry) noexcept {
-    recent_frees_[next_recent_free_ % remembered_frees] = entry;
+  /// Puts a freed record in the ring; the one it pushes out becomes reusable. `reusable_`
+  /// has room for every record (grow_records), so this cannot throw.
+  void remember_free(std::uint32_t index) noexcept {
+    std::uint32_t& oldest = recent_frees_[next_recent_free_ % remembered_frees];
+    if (oldest != no_record) {
+      reusable_.push_back(oldest);
+    }
+    oldest = index;
     ++next_recent_free_;
   }
 
   /// The most recent remembered free of `p`, or nullptr. Linear, but only bad frees ask.
   [[nodiscard]] const tracked_allocation* find_recent_free(const void* p) const noexcept {
     const tracked_allocation* latest = nullptr;
-    for (const tracked_allocation& entry : recent_frees_) {
-      if (entry.pointer == p && (latest == nullptr || entry.sequence > latest->sequence)) {
-        latest = &entry;
+    for (const std::uint32_t index : recent_frees_) {
+      if (index == no_record) {
+        continue;
+      }
+      const tracked_allocation& record = records_[index];
+      if (record.pointer == p && (latest == nullptr || record.sequence > latest->sequence)) {
+        latest = &record;
       }
     }
     return latest;
   }
 
- private:
-  static constexpr unsigned shard_bits = 4;  // 16 shards: see allocation_table
-
-  [[nodiscard]] std::size_t home_of(const void* p) const noexcept {
-    return static_cast<std::size_t>(hash_pointer(p) >> (64 - shard_bits - table_bits_)) & mask_;
-  }
-
-  void grow() {
-    const unsigned bits = slots_.empty() ? 6 : table_bits_ + 1;  // 64 slots to start
-    std::vector<tracked_allocation> old(std::size_t{1} << bits);
-    old.swap(slots_);  // the only step that can throw is done: nothing below can
+  void grow_keys() {
+    const unsigned bits = keys_.empty() ? 6 : table_bits_ + 1;  // 64 slots to start
+    std::vector<live_key> old(std::size_t{1} << bits);
+    old.swap(keys_);  // the only step that can throw is done: nothing below can
     table_bits_ = bits;
-    mask_ = slots_.size() - 1;
-    for (const tracked_allocation& entry : old) {
-      if (entry.pointer != nullptr) {
-        std::size_t i = home_of(entry.pointer);
-        while (slots_[i].pointer != nullptr) {
+    mask_ = keys_.size() - 1;
+    for (const live_key& key : old) {
+      if (key.pointer != nullptr) {
+        std::size_t i = home_of(key.pointer);
+        while (keys_[i].pointer != nullptr) {
           i = (i + 1) & mask_;
         }
-        slots_[i] = entry;
+        keys_[i] = key;
       }
     }
+  }
+
+  void grow_records() {
+    const std::size_t capacity = records_.empty() ? 64 : 2 * records_.capacity();
+    if (capacity > no_record) {
+      throw std::bad_alloc{};
+    }
+    reusable_.reserve(capacity);  // first: if the next throws, a larger reserve is harmless
+    records_.reserve(capacity);
   }
 
   friend class allocation_table;
 
   spin_mutex mutex_;
-  std::vector<tracked_allocation> slots_;  // a power of two long, at most half full
+  std::vector<live_key> keys_;  // a power of two long, at most half full
   std::size_t size_ = 0;
   std::size_t mask_ = 0;
   unsigned table_bits_ = 0;
-  std::array<tracked_allocation, remembered_frees> recent_frees_{};
+  std::vector<tracked_allocation> records_;  // never shrinks; reserved ahead (grow_records)
+  std::vector<std::uint32_t> reusable_;      // record slots free for new allocations
+  std::array<std::uint32_t, remembered_frees> recent_frees_ = filled_with_no_record();
   std::size_t next_recent_free_ = 0;
+
+  static constexpr std::array<std::uint32_t, remembered_frees> filled_with_no_record() {
+    std::array<std::uint32_t, remembered_frees> ring{};
+    ring.fill(no_record);
+    return ring;
+  }
 };
 
 /// The shards together. 16 stripes: enough that a handful of threads rarely wait on each
