@@ -73,7 +73,8 @@
 //   many holes, splitting, and immediate merging of address neighbours. Block records are
 //   host-side nodes; the pool never reads or writes the memory it manages.
 // - Threads: the pool is split into shards (a power of two, by default one per hardware thread
-//   up to 16), each with its own lock, chunks, free-block index and map of live blocks. A
+//   up to 16), each with its own lock (a spin lock, detail/spin_lock.hpp: one atomic exchange
+//   per operation), cache, chunks, free-block index and map of live blocks. A
 //   thread always starts at the same shard (threads are numbered as they first allocate), so
 //   16 threads on 16 shards rarely touch each other's cache lines, let alone locks. A block
 //   freed by another thread goes back to the shard it came from (found through a directory of
@@ -393,8 +394,8 @@ class pool_resource final : public memory_resource {
     });
   }
 
-  /// A block of `size` bytes (rounded to the granule) from `sh`'s tier `t`, made ready for `stream`, or
-  /// nullptr. Caller holds the lock.
+  /// A block of `size` bytes (rounded to the granule) from `sh`'s tier `t`, made ready for
+  /// `stream`, or nullptr. Caller holds the lock.
   /// `any_block`: also cut a free block much larger than the request (see oversize_limit).
   void* take(shard& sh, tier t, std::size_t size, std::size_t alignment,
              const stream_view* stream, bool any_block = false) {

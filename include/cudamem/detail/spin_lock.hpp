@@ -9,8 +9,9 @@
 // a plain release store, and lock() is one exchange when the lock is free, all inline. When it
 // is taken, the waiter reads (not writes) the flag, so the cache line is not bounced between
 // cores, pausing the CPU between reads, and after a while yields its time slice, so a holder
-// that was descheduled, or that waits on the GPU (pool_resource holds the lock around the
-// rare CUDA event calls), gets the CPU instead of being spun against.
+// that was descheduled, or that waits (pool_resource holds a shard's lock around its rare
+// slow steps: CUDA event calls and upstream allocations when it grows), gets the CPU instead
+// of being spun against.
 //
 // Contract: BasicLockable and Lockable (lock, try_lock, unlock); not recursive; noexcept.
 #pragma once
