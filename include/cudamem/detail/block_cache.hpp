@@ -81,7 +81,8 @@ class block_cache {
       return unlink(index);
     }
     // Every block of the next classes is larger: take one if it is close enough.
-    for (std::size_t next = index + 1; next <= index + classes_above && next <= top_index_; ++next) {
+    const std::size_t last = index + classes_above < top_index_ ? index + classes_above : top_index_;
+    for (std::size_t next = index + 1; next <= last; ++next) {
       b = heads_[next];
       if (b != nullptr && b->size - size <= size / 8 && (b->address & address_mask) == 0) {
         return unlink(next);
