@@ -24,7 +24,7 @@ int main() try {
   constexpr std::size_t n = 1 << 20;
 
   // A stream, and a pool over the device's memory: cudaMalloc is paid once, then allocations
-  // cost nanoseconds. (The stream is made first so that it outlives the pool that frees on it.)
+  // cost nanoseconds.
   cudamem::stream s;
   cudamem::device_resource device;
   cudamem::pool_resource pool{device};

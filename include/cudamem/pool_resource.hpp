@@ -45,8 +45,10 @@
 //   remembers up to 4 streams, and one freed on more is handed out after a device-wide sync.
 //   Frees on cudaStreamPerThread record their event at once (another thread cannot name that
 //   stream later).
-// - Because events are recorded lazily, a stream you freed pool memory on must stay alive
-//   until the pool is destroyed — or call `retire_stream(s)` before destroying it.
+// - Events are recorded lazily, so the pool remembers the streams it owes an event on. A
+//   `cudamem::stream` tells the pool when it is destroyed (the pool settles up then, while
+//   the handle is still valid); a raw cudaStream_t you destroy yourself must first be passed
+//   to `retire_stream(s)` if pool memory was freed on it.
 // - Upstream memory of kind host, or device memory of device -1 (simulated_resource), is not
 //   stream-ordered: streams are ignored and the pool never calls CUDA.
 // - release() and the destructor return chunks with the synchronous upstream deallocate; if
@@ -141,7 +143,7 @@ inline thread_local unsigned this_pool_thread_slot = std::numeric_limits<unsigne
 }  // namespace detail
 
 /// A sharded TLSF pool over any upstream resource; see the contract above.
-class pool_resource final : public memory_resource {
+class pool_resource final : public memory_resource, private detail::stream_listener {
  public:
   static constexpr std::size_t granule = 256;
 
@@ -167,6 +169,9 @@ class pool_resource final : public memory_resource {
         throw_out_of_memory(*this, options_.initial_size, granule,
                             "pool_resource: initial_size: " + cause);
       }
+    }
+    if (tracks_streams_) {  // last, so that a constructor that throws leaves no registration
+      detail::stream_listener_registry::instance().add(this);
     }
   }
 
@@ -744,7 +749,21 @@ class pool_resource final : public memory_resource {
     return total;
   }
 
+  /// A cudamem::stream is about to be destroyed: settle what the pool owes on it now.
+  void on_stream_destroy(cudaStream_t handle) noexcept override {
+    try {
+      retire_stream(stream_view{handle});
+    } catch (const cuda_error& e) {
+      report_error(e.code(), "pool_resource: recording an event on a stream being destroyed");
+    } catch (...) {
+      report_problem("pool_resource: could not settle a stream being destroyed");
+    }
+  }
+
   void destroy() noexcept {
+    if (tracks_streams_) {
+      detail::stream_listener_registry::instance().remove(this);
+    }
     std::size_t leaked_blocks = 0;
     std::size_t leaked_bytes = 0;
     bool pending = false;

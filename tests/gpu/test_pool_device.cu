@@ -171,6 +171,28 @@ TEST_CASE("stream order: retire_stream lets the freeing stream be destroyed firs
   pool.deallocate(q, bytes, 256, b);
 }
 
+TEST_CASE("stream order: a cudamem::stream destroyed before the pool settles up by itself") {
+  cudamem_test::captured_errors errors;
+  device_resource device;
+  pool_resource pool{device, {.shards = 1}};
+  stream b{{.non_blocking = true}};
+  const std::size_t bytes = race_elements * sizeof(unsigned);
+  unsigned* p = nullptr;
+  {
+    stream a{{.non_blocking = true}};
+    p = static_cast<unsigned*>(pool.allocate(bytes, 256, a));
+    slow_fill<<<1, 256, 0, a.get()>>>(p, race_elements, 0xAAAAAAAAU, race_spin);
+    pool.deallocate(p, bytes, 256, a);
+  }  // a destroyed while its kernel still runs, with no retire_stream call
+  auto* q = static_cast<unsigned*>(pool.allocate(bytes, 256, b));
+  REQUIRE(q == p);
+  fast_fill<<<256, 256, 0, b.get()>>>(q, race_elements, 0xBBBBBBBBU);
+  check(cudaDeviceSynchronize());
+  CHECK(count_not(q, race_elements, 0xBBBBBBBBU) == 0);
+  pool.deallocate(q, bytes, 256, b);
+  CHECK(errors.messages().empty());
+}
+
 // The upstream cudaMalloc fails on purpose (an expected API error for compute-sanitizer).
 TEST_CASE("pool over device memory: out_of_memory after release-and-retry, with a report",
           "[expected-api-error]") {
