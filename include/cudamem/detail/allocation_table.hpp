@@ -9,9 +9,8 @@
 //   shard.release(p, bytes, alignment_log2, found)   // freed / size_mismatch / double_free...
 //
 // What is in here, and why each is shaped the way it is:
-// - `spin_mutex`: a shard's lock is held for a few dozen instructions, so a waiter spins a
-//   little, then yields (on a 2-core machine with 8 threads, spinning on a preempted holder
-//   would burn the holder's time slice). One atomic exchange to take it, one store to drop it.
+// - Each shard's lock is a `spin_lock` (detail/spin_lock.hpp): it is held for a few dozen
+//   instructions, so one exchange to take it and a store to drop it beat a std::mutex.
 // - `read_ticks()`: a timestamp as cheap as the CPU allows (the x86 time-stamp counter, the
 //   ARM virtual counter; steady_clock elsewhere). Ticks become nanoseconds only when a report
 //   is written (`tick_calibration`), so the hot path never pays for a clock call.
@@ -26,6 +25,7 @@
 //   touching one cache line of keys, which is what keeps large live sets fast.
 #pragma once
 
+#include <cudamem/detail/spin_lock.hpp>
 #include <cudamem/stream.hpp>
 
 #include <array>
@@ -41,25 +41,6 @@
 #include <vector>
 
 namespace cudamem::detail {
-
-/// A test-and-test-and-set lock for critical sections a few dozen instructions long.
-class spin_mutex {
- public:
-  void lock() noexcept {
-    while (locked_.exchange(true, std::memory_order_acquire)) {
-      // Wait reading (not writing) the flag, so waiters do not steal the line from the holder.
-      for (unsigned spins = 0; locked_.load(std::memory_order_relaxed); ++spins) {
-        if (spins >= 64) {
-          std::this_thread::yield();
-        }
-      }
-    }
-  }
-  void unlock() noexcept { locked_.store(false, std::memory_order_release); }
-
- private:
-  std::atomic<bool> locked_{false};
-};
 
 /// A monotonic tick count, as cheap as this CPU allows; see tick_calibration for its unit.
 inline std::uint64_t read_ticks() noexcept {
@@ -157,7 +138,7 @@ class alignas(64) allocation_shard {
   /// Frees remembered per shard, to recognise a double free.
   static constexpr std::size_t remembered_frees = 64;
 
-  spin_mutex& mutex() noexcept { return mutex_; }
+  spin_lock& mutex() noexcept { return mutex_; }
 
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
 
@@ -347,7 +328,7 @@ class alignas(64) allocation_shard {
 
   friend class allocation_table;
 
-  spin_mutex mutex_;
+  spin_lock mutex_;
   std::vector<live_key> keys_;  // a power of two long, at most half full
   std::size_t size_ = 0;
   std::size_t mask_ = 0;
