@@ -247,7 +247,9 @@ class memory_resource {
 
   /// Throws std::invalid_argument unless `alignment` is a non-zero power of two.
   static void validate_alignment(std::size_t alignment) {
-    if (!std::has_single_bit(alignment)) {
+    // The bit trick, not std::has_single_bit: without -mpopcnt that is a call into libgcc on
+    // every allocate, at every level of an adaptor chain.
+    if (alignment == 0 || (alignment & (alignment - 1)) != 0) [[unlikely]] {
       throw std::invalid_argument("cudamem: alignment " + std::to_string(alignment) +
                                   " is not a power of two");
     }
