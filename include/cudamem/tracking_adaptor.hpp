@@ -58,6 +58,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <source_location>
@@ -240,14 +241,16 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
     const std::uint64_t sequence = next_sequence_.fetch_add(1, std::memory_order_relaxed);
     const auto alignment_log2 = static_cast<std::uint8_t>(std::countr_zero(alignment));
 
-    detail::tracked_allocation displaced;
+    std::unique_ptr<detail::tracked_allocation> displaced;  // an upstream bug's evidence
+    std::size_t displaced_bytes = 0;
     bool was_live = false;
     detail::allocation_shard& shard = table_.shard_for(p);
     try {
       const std::lock_guard lock(shard.mutex());
       detail::tracked_allocation& entry = shard.add(p, bytes, alignment_log2, was_live);
       if (was_live) [[unlikely]] {
-        displaced = entry;
+        displaced_bytes = entry.bytes;
+        displaced = copy_of(entry);
         entry.pointer = p;
         entry.bytes = bytes;
         entry.alignment_log2 = alignment_log2;
@@ -265,16 +268,36 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
     const std::size_t used = used_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
     detail::raise_to(peak_used_bytes_, used);
     if (was_live) [[unlikely]] {  // the upstream handed out a live pointer twice: its bug
-      used_bytes_.fetch_sub(displaced.bytes, std::memory_order_relaxed);
-      try {
-        report_problem("tracking_adaptor: the upstream " +
-                       std::string(upstream_resource().name()) + " returned " + describe(p) +
-                       ", which was still live (" +
-                       to_record(displaced, clock_.nanoseconds_per_tick()).to_text() + ")");
-      } catch (...) {  // p is the caller's now: never lose it over a message
-      }
+      used_bytes_.fetch_sub(displaced_bytes, std::memory_order_relaxed);
+      report_displaced(p, displaced.get());
     }
     return p;
+  }
+
+  // The cold paths live in functions of their own (never inlined), so that the hot paths
+  // stay small: no message building, no 64-byte record on their stack frames.
+
+  /// A heap copy of `entry`, or nullptr if there is no memory for one.
+  [[gnu::noinline]] static std::unique_ptr<detail::tracked_allocation> copy_of(
+      const detail::tracked_allocation& entry) noexcept {
+    try {
+      return std::make_unique<detail::tracked_allocation>(entry);
+    } catch (...) {
+      return nullptr;
+    }
+  }
+
+  [[gnu::noinline]] void report_displaced(const void* p,
+                                          const detail::tracked_allocation* old) const noexcept {
+    try {
+      report_problem("tracking_adaptor: the upstream " + std::string(upstream_resource().name()) +
+                     " returned " + describe(p) + ", which was still live" +
+                     (old != nullptr
+                          ? " (" + to_record(*old, clock_.nanoseconds_per_tick()).to_text() + ")"
+                          : std::string{}));
+    } catch (...) {  // p is the caller's now: never lose it over a message
+      report_problem("tracking_adaptor: the upstream returned a pointer that was still live");
+    }
   }
 
   void adapt_deallocate(void* p, std::size_t bytes, std::size_t alignment,
@@ -284,34 +307,56 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
     const auto alignment_log2 = static_cast<std::uint8_t>(
         alignment != 0 && (alignment & (alignment - 1)) == 0 ? std::countr_zero(alignment)
                                                              : 0xff);
-    detail::tracked_allocation entry;  // what a bad free found, for the message
     release_result found;
     detail::allocation_shard& shard = table_.shard_for(p);
     {
       const std::lock_guard lock(shard.mutex());
-      found = shard.release(p, bytes, alignment_log2, entry);
+      found = shard.release(p, bytes, alignment_log2);
     }
     if (found == release_result::freed) [[likely]] {
       used_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
       forward_deallocate(p, bytes, alignment, stream);
       return;
     }
+    report_bad_free(shard, p, bytes, alignment, found);
+  }
+
+  /// Reports a free that was not forwarded, with the record it concerns. The record is looked
+  /// up again (the lock was dropped in between): only a program already racing a free against
+  /// another use of the same pointer could see it changed, and then the message says less.
+  [[gnu::noinline]] void report_bad_free(detail::allocation_shard& shard, const void* p,
+                                         std::size_t bytes, std::size_t alignment,
+                                         detail::release_result found) const noexcept {
+    using detail::release_result;
     bad_frees_.fetch_add(1, std::memory_order_relaxed);
+    std::optional<detail::tracked_allocation> entry;
+    {
+      const std::lock_guard lock(shard.mutex());
+      const detail::tracked_allocation* record = found == release_result::size_mismatch
+                                                     ? shard.find(p)
+                                                     : shard.find_recent_free(p);
+      if (record != nullptr) {
+        entry.emplace(*record);
+      }
+    }
+    if (!entry) {  // changed under us: describe it as one never given out
+      found = release_result::unknown;
+    }
     try {
       std::string problem;
       switch (found) {
         case release_result::size_mismatch:
           problem = "size mismatch freeing " + describe(p) + ": deallocate(" +
                     std::to_string(bytes) + " bytes, alignment " + std::to_string(alignment) +
-                    ") but it was allocated as " + std::to_string(entry.bytes) +
-                    " bytes, alignment " + std::to_string(entry.alignment()) + " at " +
-                    allocation_record::describe_site(entry.site) +
+                    ") but it was allocated as " + std::to_string(entry->bytes) +
+                    " bytes, alignment " + std::to_string(entry->alignment()) + " at " +
+                    allocation_record::describe_site(entry->site) +
                     ". Not forwarded to the upstream; the allocation stays live.";
           break;
         case release_result::double_free:
           problem = "double free of " + describe(p) + " (" + std::to_string(bytes) +
                     " bytes), already freed; it was allocated as " +
-                    to_record(entry, clock_.nanoseconds_per_tick()).to_text() +
+                    to_record(*entry, clock_.nanoseconds_per_tick()).to_text() +
                     ". Not forwarded to the upstream.";
           break;
         default:
@@ -371,7 +416,7 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
   alignas(64) std::atomic<std::uint64_t> next_sequence_{0};
   std::atomic<std::size_t> used_bytes_{0};
   std::atomic<std::size_t> peak_used_bytes_{0};
-  std::atomic<std::size_t> bad_frees_{0};
+  mutable std::atomic<std::size_t> bad_frees_{0};
 };
 
 }  // namespace cudamem

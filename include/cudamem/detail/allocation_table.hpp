@@ -185,24 +185,34 @@ class alignas(64) allocation_shard {
   }
 
   /// Frees `p` from the record if it is live with these bytes and alignment; otherwise says
-  /// why not, with the record it found (live or recently freed) copied to `found`.
-  release_result release(const void* p, std::size_t bytes, std::uint8_t alignment_log2,
-                         tracked_allocation& found) noexcept {
+  /// why not (and find / find_recent_free give the record concerned).
+  release_result release(const void* p, std::size_t bytes, std::uint8_t alignment_log2) noexcept {
     live_key* key = find_key(p);
-    if (key == nullptr) {
-      if (const tracked_allocation* freed = find_recent_free(p)) {
-        found = *freed;
-        return release_result::double_free;
-      }
-      return release_result::unknown;
+    if (key == nullptr) [[unlikely]] {
+      return find_recent_free(p) != nullptr ? release_result::double_free
+                                            : release_result::unknown;
     }
     if (key->bytes != bytes || key->alignment_log2 != alignment_log2) [[unlikely]] {
-      found = records_[key->record];
       return release_result::size_mismatch;
     }
     remember_free(key->record);
     erase(key);
     return release_result::freed;
+  }
+
+  /// The most recent remembered free of `p`, or nullptr. Linear, but only bad frees ask.
+  [[nodiscard]] const tracked_allocation* find_recent_free(const void* p) const noexcept {
+    const tracked_allocation* latest = nullptr;
+    for (const std::uint32_t index : recent_frees_) {
+      if (index == no_record) {
+        continue;
+      }
+      const tracked_allocation& record = records_[index];
+      if (record.pointer == p && (latest == nullptr || record.sequence > latest->sequence)) {
+        latest = &record;
+      }
+    }
+    return latest;
   }
 
   /// Calls `visit(record)` for every live allocation.
@@ -219,7 +229,7 @@ class alignas(64) allocation_shard {
   static constexpr unsigned shard_bits = 4;  // 16 shards: see allocation_table
   static constexpr std::uint32_t no_record = ~std::uint32_t{0};
 
-  struct live_key {
+  struct alignas(32) live_key {  // two to a cache line, none across two
     void* pointer = nullptr;  // nullptr: an empty slot
     std::size_t bytes = 0;
     std::uint32_t record = 0;  // index into records_
@@ -283,21 +293,6 @@ class alignas(64) allocation_shard {
     }
     oldest = index;
     ++next_recent_free_;
-  }
-
-  /// The most recent remembered free of `p`, or nullptr. Linear, but only bad frees ask.
-  [[nodiscard]] const tracked_allocation* find_recent_free(const void* p) const noexcept {
-    const tracked_allocation* latest = nullptr;
-    for (const std::uint32_t index : recent_frees_) {
-      if (index == no_record) {
-        continue;
-      }
-      const tracked_allocation& record = records_[index];
-      if (record.pointer == p && (latest == nullptr || record.sequence > latest->sequence)) {
-        latest = &record;
-      }
-    }
-    return latest;
   }
 
   void grow_keys() {
