@@ -1,26 +1,34 @@
 // bench/fragmentation.cu — how much of the device's free memory a program can use before its
-// first failure, for pool_resource and its peers, in one run on one device:
+// first failure, and at what cost per operation, for cudamem's pools and their peers, in one
+// run on one device; then the standard single-thread traces, vm_pool against the plain pool.
 //   swiss cheese: 64 MiB blocks until failure, free every other one, 128 MiB blocks until
-//                 failure; bytes obtained / bytes freed;
-//   mixed:        bench/support/fragmentation.hpp's trace (large short-lived blocks between
-//                 small long-lived ones) to its first failure; live bytes at the failure /
-//                 free memory at the start; and ns per operation for both.
+//                 failure; bytes obtained / bytes freed (what the freed blocks really held:
+//                 CUB rounds 64 MiB up to its 128 MiB bin);
+//   mixed:        bench/support/fragmentation.hpp's GPU trace (large short-lived blocks between
+//                 small long-lived ones) to its first failure; live bytes at the failure / the
+//                 device's free memory before the allocator took anything.
 //
-//   ./run bench fragmentation               # on a GPU machine: pool, cudaMalloc,
-//                                           # cudaMallocAsync, CUB, thrust's pool
-//   ./run bench fragmentation --simulated   # no GPU: an 80 GiB simulated device — the pool
-//                                           # over a first-fit and over a paged device, and
-//                                           # the naive first-fit reference
+//   ./run bench fragmentation               # on a GPU: ~2 minutes on an 80 GB H100
+//   ./run bench fragmentation --simulated   # no GPU: an 80 GiB simulated device, seconds
 //
-// Everything an allocator holds is freed, and its cache emptied, before the next one starts;
-// the free memory is measured again for each. With no GPU and no --simulated it prints one
-// line and exits 69.
+// Rows: "cold" is an allocator's first run (each experiment starts from an empty allocator:
+// its cache is emptied in between); "warm" runs both experiments again on the same object
+// without emptying it (the steady state of a long-running program). Peers: cudaMalloc,
+// cudaMallocAsync (the device's default pool, release threshold UINT64_MAX, trimmed between),
+// cub::CachingDeviceAllocator(8, 3, 22, 64 GiB) (FreeAllCached between), thrust's
+// disjoint_unsynchronized_pool_resource (release() between). Stream-aware allocators run on one
+// non-blocking stream. Every allocator is destroyed, and the device's free memory checked,
+// before the next starts. Lines are printed (and flushed) as they are measured. With no GPU
+// and no --simulated it prints one line and exits 69.
+#include <cudamem/detail/vm_driver_mapping.hpp>
 #include <cudamem/device_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 #include <cudamem/pool_resource.hpp>
 #include <cudamem/simulated_resource.hpp>
+#include <cudamem/vm_pool_resource.hpp>
 
 #include "fragmentation.hpp"
+#include "traces.hpp"
 
 #include <cub/util_allocator.cuh>
 #include <thrust/device_ptr.h>
@@ -30,16 +38,23 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
+#include <array>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <new>
 #include <string>
+#include <vector>
 
 using namespace cudamem_bench;
 
 namespace {
+
+using clock_type = std::chrono::steady_clock;
 
 void require(cudaError_t code, const char* what) {
   if (code != cudaSuccess) {
@@ -56,22 +71,50 @@ std::size_t device_free_now() {
   return free;
 }
 
-void print(const std::string& who, const fragmentation_result& swiss, const fragmentation_result& mix) {
-  std::printf("%-26s %8.3f %10.0f %8.3f %10.0f %12.2f\n", who.c_str(), swiss.ratio,
-              swiss.ns_per_op, mix.ratio, mix.ns_per_op,
-              static_cast<double>(mix.numerator) / static_cast<double>(GiB));
+/// One allocator under test: alloc returns nullptr on failure and must not throw.
+struct allocator_under_test {
+  std::string name;
+  std::function<void*(std::size_t)> alloc;
+  std::function<void(void*, std::size_t)> release;
+  std::function<void()> empty_cache = [] {};     ///< between experiments of a cold run
+  std::function<std::size_t(std::size_t)> footprint = [](std::size_t n) { return n; };
+};
+
+double seconds_since(clock_type::time_point start) {
+  return std::chrono::duration<double>(clock_type::now() - start).count();
 }
 
-/// Runs both experiments with alloc (nullptr on failure) and release; `free_at_start` is the
-/// mixed trace's denominator and scale.
-void run(const std::string& who, std::size_t free_at_start,
-         const std::function<void*(std::size_t)>& alloc,
-         const std::function<void(void*, std::size_t)>& release,
-         const std::function<void()>& between = [] {}) {
-  const fragmentation_result swiss = swiss_cheese(alloc, release, 64 * MiB, 128 * MiB);
-  between();
-  const fragmentation_result mix = mixed(mixed_spec_for(free_at_start), alloc, release);
-  print(who, swiss, mix);
+void print_header() {
+  std::printf("%-24s %-4s %8s %10s %8s %10s %9s %7s\n", "allocator", "run", "swiss", "ns/op",
+              "mixed", "ns/op", "live GiB", "secs");
+  std::fflush(stdout);
+}
+
+void print_row(const std::string& name, const char* run, const fragmentation_result& swiss,
+               const fragmentation_result& mix, double secs) {
+  std::printf("%-24s %-4s %8.4f %10.0f %8.4f %10.0f %9.2f %7.1f\n", name.c_str(), run, swiss.ratio,
+              swiss.ns_per_op, mix.ratio, mix.ns_per_op,
+              static_cast<double>(mix.numerator) / static_cast<double>(GiB), secs);
+  if (swiss.ratio > 1.0001 || mix.ratio > 1.0001) {
+    std::printf("  ^ a fraction above 1: the experiment is measuring something else, check it\n");
+  }
+  std::fflush(stdout);
+}
+
+/// Runs swiss cheese then the mixed trace; `free_at_start` is the mixed trace's denominator
+/// and scale. A cold run empties the allocator's cache before the mixed trace.
+void run(allocator_under_test& a, const char* label, std::size_t free_at_start, bool cold) {
+  const auto start = clock_type::now();
+  const fragmentation_result swiss =
+      swiss_cheese(a.alloc, a.release, 64 * MiB, 128 * MiB, a.footprint);
+  if (cold) {
+    a.empty_cache();
+  }
+  const fragmentation_result mix = mixed(mixed_spec_gpu_for(free_at_start), a.alloc, a.release);
+  if (cold) {
+    a.empty_cache();
+  }
+  print_row(a.name, label, swiss, mix, seconds_since(start));
 }
 
 template <class F>
@@ -86,32 +129,210 @@ void* or_null(F&& f) {
   }
 }
 
-using thrust_pool = thrust::mr::disjoint_unsynchronized_pool_resource<thrust::device_memory_resource,
-                                                                      thrust::mr::new_delete_resource>;
+allocator_under_test from_resource(const std::string& name, cudamem::memory_resource& mr,
+                                   cudaStream_t stream) {
+  allocator_under_test a;
+  a.name = name;
+  a.alloc = [&mr, stream](std::size_t n) {
+    return or_null([&] { return mr.allocate(n, 256, cudamem::stream_view{stream}); });
+  };
+  a.release = [&mr, stream](void* p, std::size_t n) {
+    mr.deallocate(p, n, 256, cudamem::stream_view{stream});
+  };
+  return a;
+}
+
+/// CUB's bin for a request: the smallest power of 8 (from 8^3) that holds it.
+std::size_t cub_bin(std::size_t bytes) {
+  std::size_t bin = 512;
+  while (bin < bytes) {
+    bin *= 8;
+  }
+  return bin;
+}
+
+// --- the mapping layer, timed --------------------------------------------------------------
+
+/// Forwards to the driver's mapping layer and adds up the time spent in each kind of call, so
+/// the bench can say where vm_pool's time goes.
+class timed_mapping final : public cudamem::detail::vm_mapping_layer {
+ public:
+  enum call { reserve_call, create_call, map_call, access_call, unmap_call, release_call, call_kinds };
+  static constexpr std::array<const char*, call_kinds> names{"reserve", "create", "map",
+                                                             "set_access", "unmap", "release"};
+  std::array<double, call_kinds> ns{};
+  std::array<std::size_t, call_kinds> count{};
+
+  explicit timed_mapping(int device) : inner_(device) {}
+
+  int device() const noexcept override { return inner_.device(); }
+  std::size_t granularity() const noexcept override { return inner_.granularity(); }
+  std::size_t device_total() const noexcept override { return inner_.device_total(); }
+  std::uintptr_t reserve(std::size_t bytes) override {
+    const stopwatch w{*this, reserve_call};
+    return inner_.reserve(bytes);
+  }
+  void free_reservation(std::uintptr_t base, std::size_t bytes) noexcept override {
+    inner_.free_reservation(base, bytes);
+  }
+  std::optional<cudamem::detail::vm_handle> create(std::size_t bytes) override {
+    const stopwatch w{*this, create_call};
+    return inner_.create(bytes);
+  }
+  void release(cudamem::detail::vm_handle h) noexcept override {
+    const stopwatch w{*this, release_call};
+    inner_.release(h);
+  }
+  void map(std::uintptr_t va, std::size_t bytes, cudamem::detail::vm_handle h) override {
+    const stopwatch w{*this, map_call};
+    inner_.map(va, bytes, h);
+  }
+  void unmap(std::uintptr_t va, std::size_t bytes) noexcept override {
+    const stopwatch w{*this, unmap_call};
+    inner_.unmap(va, bytes);
+  }
+  void set_access(std::uintptr_t va, std::size_t bytes) override {
+    const stopwatch w{*this, access_call};
+    inner_.set_access(va, bytes);
+  }
+  void record_free(cudaStream_t s, std::uintptr_t va, std::size_t bytes) override {
+    inner_.record_free(s, va, bytes);
+  }
+  void order_after_free(cudaStream_t user, cudaStream_t freed_on) override {
+    inner_.order_after_free(user, freed_on);
+  }
+  void wait_for_free(cudaStream_t freed_on) override { inner_.wait_for_free(freed_on); }
+  void wait_for_all_frees() noexcept override { inner_.wait_for_all_frees(); }
+
+  void print(const char* indent) const {
+    std::printf("%sdriver calls:", indent);
+    for (std::size_t k = 0; k < call_kinds; ++k) {
+      if (count[k] != 0) {
+        std::printf(" %s %zu x %.1f us;", names[k], count[k], ns[k] / 1e3 / static_cast<double>(count[k]));
+      }
+    }
+    std::printf("\n");
+  }
+
+ private:
+  /// Adds the time from its construction to its destruction to call kind `k`.
+  struct stopwatch {
+    timed_mapping& owner;
+    call k;
+    clock_type::time_point start = clock_type::now();
+    ~stopwatch() {
+      owner.ns[k] += std::chrono::duration<double, std::nano>(clock_type::now() - start).count();
+      ++owner.count[k];
+    }
+  };
+
+  cudamem::detail::driver_vm_mapping inner_;
+};
+
+void print_vm_stats(const cudamem::vm_pool_resource& vm, const char* indent) {
+  const cudamem::vm_pool_stats st = vm.vm_stats();
+  std::printf("%svm_pool holds %.2f GiB mapped in %zu handles, %.0f GiB virtual; %zu "
+              "compactions, %zu handles created, %zu maps, %zu set_access, %zu unmaps, %zu stale "
+              "aliases; pool: %zu chunks\n",
+              indent, static_cast<double>(st.mapped_bytes) / GiB, st.handles,
+              static_cast<double>(st.reserved_virtual_bytes) / GiB, st.compactions,
+              st.handles_created, st.maps, st.access_calls, st.unmaps, st.stale_aliases,
+              st.pool_chunks);
+  std::fflush(stdout);
+}
+
+// --- standard traces ----------------------------------------------------------------------
+
+/// Median ns/op of `reps` timed replays of `t` on `mr` (after one untimed replay).
+double trace_ns(cudamem::memory_resource& mr, const trace& t, cudaStream_t s, int reps = 5) {
+  std::vector<void*> slots(t.blocks, nullptr);
+  const cudamem::stream_view stream{s};
+  auto alloc = [&](std::size_t n) { return mr.allocate(n, 256, stream); };
+  auto release = [&](void* p, std::size_t n) { mr.deallocate(p, n, 256, stream); };
+  replay(t, slots, alloc, release);
+  std::vector<double> samples;
+  for (int i = 0; i < reps; ++i) {
+    const auto start = clock_type::now();
+    replay(t, slots, alloc, release);
+    samples.push_back(std::chrono::duration<double, std::nano>(clock_type::now() - start).count() /
+                      static_cast<double>(t.ops.size()));
+  }
+  std::sort(samples.begin(), samples.end());
+  return samples[samples.size() / 2];
+}
+
+/// pool vs vm_pool on the single-thread standard traces; make_pool/make_vm build fresh ones.
+void standard_traces_section(const std::function<std::unique_ptr<cudamem::memory_resource>()>& make_pool,
+                             const std::function<std::unique_ptr<cudamem::memory_resource>()>& make_vm,
+                             cudaStream_t s) {
+  std::printf("\nstandard traces (single thread, ns/op, median of 5 after a warm-up)\n");
+  std::printf("%-24s %10s %10s %8s\n", "trace", "pool", "vm_pool", "vm/pool");
+  std::fflush(stdout);
+  for (const trace_spec& spec : standard_traces()) {
+    if (spec.threads > 1) {
+      continue;  // the multi-thread trace is bench_pool's
+    }
+    const trace t = make_trace(spec);
+    double pool_ns = 0;
+    double vm_ns = 0;
+    {
+      const auto pool = make_pool();
+      pool_ns = trace_ns(*pool, t, s);
+    }
+    {
+      const auto vm = make_vm();
+      vm_ns = trace_ns(*vm, t, s);
+    }
+    std::printf("%-24s %10.0f %10.0f %8.2f\n", spec.name.c_str(), pool_ns, vm_ns, vm_ns / pool_ns);
+    std::fflush(stdout);
+  }
+}
+
+// --- no GPU: a simulated 80 GiB device ---------------------------------------------------
 
 void run_simulated() {
   constexpr std::size_t capacity = 80 * GiB;
-  std::printf("simulated 80 GiB device (no GPU)\n");
-  std::printf("%-26s %8s %10s %8s %10s %12s\n", "allocator", "swiss", "ns/op", "mixed", "ns/op",
-              "live GiB");
+  std::printf("simulated 80 GiB device (no GPU): host-side bookkeeping only, no driver costs\n");
+  print_header();
   {
-    cudamem::simulated_resource device;
-    run("first fit (reference)", capacity,
-        [&](std::size_t n) { return or_null([&] { return device.allocate(n); }); },
-        [&](void* p, std::size_t n) { device.deallocate(p, n); });
+    cudamem::simulated_resource device{{.capacity = capacity}};
+    allocator_under_test a = from_resource("first fit (reference)", device, nullptr);
+    run(a, "cold", capacity, true);
   }
   for (auto layout : {cudamem::simulated_layout::first_fit, cudamem::simulated_layout::paged}) {
     cudamem::simulated_resource device{{.capacity = capacity, .layout = layout}};
     cudamem::pool_resource pool{device};
-    run(layout == cudamem::simulated_layout::paged ? "pool over paged device" : "pool over first fit",
-        capacity, [&](std::size_t n) { return or_null([&] { return pool.allocate(n); }); },
-        [&](void* p, std::size_t n) { pool.deallocate(p, n); }, [&] { pool.release(); });
+    allocator_under_test a = from_resource(
+        layout == cudamem::simulated_layout::paged ? "pool over paged" : "pool over first fit",
+        pool, nullptr);
+    a.empty_cache = [&] { pool.release(); };
+    run(a, "cold", capacity, true);
+    run(a, "warm", capacity, false);
   }
+  const auto make_vm = [] {
+    return std::make_unique<cudamem::vm_pool_resource>(
+        std::make_unique<cudamem::detail::simulated_vm_mapping>(
+            cudamem::detail::simulated_vm_options{.capacity = capacity}));
+  };
+  {
+    const auto vm = make_vm();
+    allocator_under_test a = from_resource("cudamem vm_pool", *vm, nullptr);
+    a.empty_cache = [&] { vm->release(); };
+    run(a, "cold", capacity, true);
+    run(a, "warm", capacity, false);
+    print_vm_stats(*vm, "  ");
+  }
+  // The traces' peak live bytes (16 GiB) fit the simulated device; streams are ignored there.
+  static cudamem::simulated_resource trace_device{{.capacity = capacity, .layout = cudamem::simulated_layout::paged}};
+  standard_traces_section(
+      [] { return std::make_unique<cudamem::pool_resource>(trace_device); },
+      [&] { return std::unique_ptr<cudamem::memory_resource>(make_vm()); }, nullptr);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress shows even through a pipe
   const bool simulated = argc > 1 && std::string(argv[1]) == "--simulated";
   if (simulated) {
     run_simulated();
@@ -124,80 +345,134 @@ int main(int argc, char** argv) {
                 probe != cudaSuccess ? cudaGetErrorName(probe) : "0 devices");
     return 69;
   }
+  const auto bench_start = clock_type::now();
   cudaDeviceProp prop{};
   require(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  const std::size_t free_at_start = device_free_now();
   std::printf("bench_fragmentation: %s, %.1f GiB free at start\n", prop.name,
-              static_cast<double>(device_free_now()) / GiB);
-  std::printf("%-26s %8s %10s %8s %10s %12s\n", "allocator", "swiss", "ns/op", "mixed", "ns/op",
-              "live GiB");
+              static_cast<double>(free_at_start) / GiB);
+  print_header();
   cudaStream_t stream = nullptr;
   require(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  const auto check_returned = [&](const char* who) {
+    const std::size_t now = device_free_now();
+    if (now + 64 * MiB < free_at_start) {
+      std::printf("  note: %.2f GiB not back on the device after %s\n",
+                  static_cast<double>(free_at_start - now) / GiB, who);
+    }
+  };
 
   {
-    cudamem::device_resource device{0};
-    cudamem::pool_resource pool{device};
-    run("cudamem pool", device_free_now(),
-        [&](std::size_t n) { return or_null([&] { return pool.allocate(n, 256, stream); }); },
-        [&](void* p, std::size_t n) { pool.deallocate(p, n, 256, stream); },
-        [&] { pool.release(); });
+    allocator_under_test a;
+    a.name = "cudaMalloc";
+    a.alloc = [](std::size_t n) -> void* {
+      void* p = nullptr;
+      if (cudaMalloc(&p, n) != cudaSuccess) {
+        static_cast<void>(cudaGetLastError());
+        return nullptr;
+      }
+      return p;
+    };
+    a.release = [](void* p, std::size_t) { require(cudaFree(p), "cudaFree"); };
+    run(a, "-", device_free_now(), true);
+    check_returned("cudaMalloc");
   }
-  run("cudaMalloc", device_free_now(),
-      [](std::size_t n) -> void* {
-        void* p = nullptr;
-        if (cudaMalloc(&p, n) != cudaSuccess) {
-          static_cast<void>(cudaGetLastError());
-          return nullptr;
-        }
-        return p;
-      },
-      [](void* p, std::size_t) { require(cudaFree(p), "cudaFree"); });
   {
     cudaMemPool_t mempool = nullptr;
     require(cudaDeviceGetDefaultMemPool(&mempool, 0), "cudaDeviceGetDefaultMemPool");
     std::uint64_t threshold = UINT64_MAX;
     require(cudaMemPoolSetAttribute(mempool, cudaMemPoolAttrReleaseThreshold, &threshold),
             "cudaMemPoolSetAttribute");
-    run("cudaMallocAsync", device_free_now(),
-        [&](std::size_t n) -> void* {
-          void* p = nullptr;
-          if (cudaMallocAsync(&p, n, stream) != cudaSuccess) {
-            static_cast<void>(cudaGetLastError());
-            return nullptr;
-          }
-          return p;
-        },
-        [&](void* p, std::size_t) { require(cudaFreeAsync(p, stream), "cudaFreeAsync"); },
-        [&] {
-          require(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-          require(cudaMemPoolTrimTo(mempool, 0), "cudaMemPoolTrimTo");
-        });
-    require(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-    require(cudaMemPoolTrimTo(mempool, 0), "cudaMemPoolTrimTo");
+    allocator_under_test a;
+    a.name = "cudaMallocAsync";
+    a.alloc = [&](std::size_t n) -> void* {
+      void* p = nullptr;
+      if (cudaMallocAsync(&p, n, stream) != cudaSuccess) {
+        static_cast<void>(cudaGetLastError());
+        return nullptr;
+      }
+      return p;
+    };
+    a.release = [&](void* p, std::size_t) { require(cudaFreeAsync(p, stream), "cudaFreeAsync"); };
+    a.empty_cache = [&] {
+      require(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+      require(cudaMemPoolTrimTo(mempool, 0), "cudaMemPoolTrimTo");
+    };
+    const std::size_t free = device_free_now();
+    run(a, "cold", free, true);
+    run(a, "warm", free, false);
+    a.empty_cache();
+    check_returned("cudaMallocAsync");
   }
   {
     cub::CachingDeviceAllocator cub(8, 3, 22, std::size_t{64} << 30);
-    run("CUB caching allocator", device_free_now(),
-        [&](std::size_t n) -> void* {
-          void* p = nullptr;
-          if (cub.DeviceAllocate(&p, n, stream) != cudaSuccess) {
-            static_cast<void>(cudaGetLastError());
-            return nullptr;
-          }
-          return p;
-        },
-        [&](void* p, std::size_t) { require(cub.DeviceFree(p), "CUB DeviceFree"); },
-        [&] { require(cub.FreeAllCached(), "CUB FreeAllCached"); });
-    require(cub.FreeAllCached(), "CUB FreeAllCached");
+    allocator_under_test a;
+    a.name = "CUB caching";
+    a.alloc = [&](std::size_t n) -> void* {
+      void* p = nullptr;
+      if (cub.DeviceAllocate(&p, n, stream) != cudaSuccess) {
+        static_cast<void>(cudaGetLastError());
+        return nullptr;
+      }
+      return p;
+    };
+    a.release = [&](void* p, std::size_t) { require(cub.DeviceFree(p), "CUB DeviceFree"); };
+    a.empty_cache = [&] { require(cub.FreeAllCached(), "CUB FreeAllCached"); };
+    a.footprint = cub_bin;
+    run(a, "cold", device_free_now(), true);
+    a.empty_cache();
   }
+  check_returned("CUB");
   {
+    using thrust_pool =
+        thrust::mr::disjoint_unsynchronized_pool_resource<thrust::device_memory_resource,
+                                                          thrust::mr::new_delete_resource>;
     thrust::device_memory_resource upstream;
     thrust::mr::new_delete_resource bookkeeper;
     thrust_pool pool(&upstream, &bookkeeper);
-    run("thrust disjoint pool", device_free_now(),
-        [&](std::size_t n) { return or_null([&] { return pool.do_allocate(n, 256).get(); }); },
-        [&](void* p, std::size_t n) { pool.do_deallocate(thrust::device_ptr<void>(p), n, 256); },
-        [&] { pool.release(); });
+    allocator_under_test a;
+    a.name = "thrust disjoint pool";
+    a.alloc = [&](std::size_t n) { return or_null([&] { return pool.do_allocate(n, 256).get(); }); };
+    a.release = [&](void* p, std::size_t n) {
+      pool.do_deallocate(thrust::device_ptr<void>(p), n, 256);
+    };
+    a.empty_cache = [&] { pool.release(); };
+    run(a, "cold", device_free_now(), true);
+    a.empty_cache();
   }
+  check_returned("thrust's pool");
+  {
+    cudamem::device_resource device{0};
+    cudamem::pool_resource pool{device};
+    allocator_under_test a = from_resource("cudamem pool", pool, stream);
+    a.empty_cache = [&] { pool.release(); };
+    const std::size_t free = device_free_now();
+    run(a, "cold", free, true);
+    run(a, "warm", free, false);
+  }
+  check_returned("cudamem pool");
+  {
+    auto layer = std::make_unique<timed_mapping>(0);
+    const timed_mapping& timing = *layer;
+    const std::size_t free = device_free_now();
+    cudamem::vm_pool_resource vm{std::move(layer)};
+    allocator_under_test a = from_resource("cudamem vm_pool", vm, stream);
+    a.empty_cache = [&] { vm.release(); };
+    run(a, "cold", free, true);
+    run(a, "warm", free, false);
+    print_vm_stats(vm, "  ");
+    timing.print("  ");
+  }
+  check_returned("cudamem vm_pool");
+
+  standard_traces_section(
+      [] {
+        static cudamem::device_resource device{0};
+        return std::make_unique<cudamem::pool_resource>(device);
+      },
+      [] { return std::make_unique<cudamem::vm_pool_resource>(0); }, stream);
+  require(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   require(cudaStreamDestroy(stream), "cudaStreamDestroy");
+  std::printf("\nbench_fragmentation: done in %.0f s\n", seconds_since(bench_start));
   return 0;
 }

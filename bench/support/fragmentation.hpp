@@ -6,14 +6,17 @@
 // swiss_cheese: fill with `small` blocks until the first failure, free every other one, then
 //   allocate `large` blocks until failure. Result: bytes obtained / bytes freed. An allocator
 //   that cannot put two freed neighbours' worth of memory back together scores 0; one whose
-//   free memory is always usable scores ~1.
+//   free memory is always usable scores ~1. "Bytes freed" counts what each freed block really
+//   held: `footprint(bytes)` (identity by default; CUB's caching allocator rounds a request up
+//   to its bin, 64 MiB to 128 MiB, and would otherwise score 2.0 by reusing its own rounding).
 // mixed: seeds 001/004 in miniature — each step allocates one large, short-lived block
 //   (log-uniform in [large_min, large_max]; only the last `large_window` stay alive) and a few
 //   small, long-lived ones (log-uniform in [small_min, small_max]) that accumulate, like a
 //   training loop whose activations come and go between parameters, caches and logs that stay.
-//   It runs to the first failure. Result: live bytes at the failure / `start_free`. A
-//   first-fit allocator puts the small blocks in the holes the large ones leave and soon has
-//   no hole large enough; a pool that keeps small and large blocks apart lasts longer.
+//   It runs to the first failure. Result: live bytes at the failure / `start_free` (the
+//   device's free memory before the allocator under test took anything). A first-fit
+//   allocator puts the small blocks in the holes the large ones leave and soon has no hole
+//   large enough; a pool that keeps small and large blocks apart lasts longer.
 // Both free everything they allocated before returning.
 #pragma once
 
@@ -36,9 +39,12 @@ struct fragmentation_result {
   double ns_per_op = 0;
 };
 
-template <class Alloc, class Free>
+inline std::size_t same_size(std::size_t bytes) noexcept { return bytes; }
+
+template <class Alloc, class Free, class Footprint = std::size_t (*)(std::size_t) noexcept>
 fragmentation_result swiss_cheese(Alloc&& alloc, Free&& release, std::size_t small,
-                                  std::size_t large, std::size_t max_blocks = 1 << 20) {
+                                  std::size_t large, Footprint footprint = &same_size,
+                                  std::size_t max_blocks = 1 << 20) {
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
   fragmentation_result r;
@@ -54,7 +60,7 @@ fragmentation_result swiss_cheese(Alloc&& alloc, Free&& release, std::size_t sma
   for (std::size_t i = 1; i < smalls.size(); i += 2) {
     release(smalls[i], small);
     smalls[i] = nullptr;
-    r.denominator += small;
+    r.denominator += footprint(small);
     ++r.ops;
   }
   std::vector<void*> larges;
@@ -96,8 +102,9 @@ struct mixed_spec {
   std::size_t max_steps = 1 << 20;
 };
 
-/// The mixed trace scaled to a device of `free_bytes`: large blocks 1/640..1/80 of it,
-/// small ones 64 KiB..1 MiB.
+/// The mixed trace scaled to a device of `free_bytes`: large blocks 1/640..1/80 of it (128 MiB
+/// to 1 GiB on 80 GiB), three small ones of 64 KiB..1 MiB per step. Filling 80 GiB takes
+/// ~600,000 operations: right for simulated devices, too long for the slow peers on a GPU.
 inline mixed_spec mixed_spec_for(std::size_t free_bytes) {
   mixed_spec s;
   s.start_free = free_bytes;
@@ -105,6 +112,18 @@ inline mixed_spec mixed_spec_for(std::size_t free_bytes) {
   s.large_max = free_bytes / 80;
   s.small_min = 64 * KiB;
   s.small_max = MiB;
+  return s;
+}
+
+/// The GPU bench's variant: the same large blocks, four long-lived ones of 256 KiB..4 MiB per
+/// step, so ~145,000 operations fill 80 GiB and cudaMalloc (~100 µs a call) finishes in ~15 s.
+/// Its long-lived blocks of 1..4 MiB are "medium" for pool_resource's default chunking (they
+/// share chunks with large blocks), which is part of what it measures.
+inline mixed_spec mixed_spec_gpu_for(std::size_t free_bytes) {
+  mixed_spec s = mixed_spec_for(free_bytes);
+  s.small_min = 256 * KiB;
+  s.small_max = 4 * MiB;
+  s.smalls_per_step = 4;
   return s;
 }
 

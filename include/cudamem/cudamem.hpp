@@ -39,3 +39,4 @@
 #include <cudamem/tracking_adaptor.hpp>
 #include <cudamem/version.hpp>
 #include <cudamem/vm_pool_resource.hpp>
+#include <cudamem/vm_resource.hpp>

@@ -1,8 +1,10 @@
-// vm_pool_resource on a real device: stream order across compaction (a kernel still reading a
-// freed block whose physical memory is recycled), everything given back at destruction, real
-// swiss cheese, peers, bad input.
+// vm_pool_resource and vm_resource on a real device: stream order across compaction (a kernel
+// still reading a freed block whose physical memory is recycled, through the pool and through
+// the upstream alone), everything given back at destruction, real swiss cheese, peers, bad
+// input.
 #include <cudamem/stream.hpp>
 #include <cudamem/vm_pool_resource.hpp>
+#include <cudamem/vm_resource.hpp>
 
 #include "gpu_test.hpp"
 
@@ -34,7 +36,7 @@ __global__ void slow_count(const unsigned char* data, std::size_t n, unsigned ch
 
 vm_pool_options limited(std::size_t chunk, std::size_t limit) {
   vm_pool_options o;
-  o.chunk_bytes = chunk;
+  o.handle_bytes = chunk;
   o.physical_limit = limit;
   return o;
 }
@@ -76,6 +78,48 @@ TEST_CASE("vm_pool (GPU): recycled memory is not overwritten while a kernel stil
   pool.deallocate(big, 128 * MiB, 256, writer);
   pool.deallocate(blocks[1], 64 * MiB, 256, reader);
   pool.deallocate(blocks[3], 64 * MiB, 256, reader);
+}
+
+// The upstream alone, freeing on a stream: recycling a handle whose last use is a running kernel
+// must wait for that kernel (on the host) before the handle is mapped anywhere else.
+TEST_CASE("vm_resource (GPU): a handle freed on a stream is recycled only after its work") {
+  vm_resource_options options;
+  options.handle_bytes = 32 * MiB;
+  options.growth_bytes = 0;
+  options.physical_limit = 256 * MiB;
+  vm_resource vm{0, options};
+  stream reader;
+  stream writer;
+  std::vector<void*> blocks;
+  for (int i = 0; i < 4; ++i) {
+    blocks.push_back(vm.allocate(64 * MiB, 256, reader));
+    check(cudaMemsetAsync(blocks.back(), 1, 64 * MiB, reader.get()));
+  }
+  unsigned long long* count = nullptr;
+  check(cudaMallocAsync(&count, 2 * sizeof(unsigned long long), reader.get()));
+  check(cudaMemsetAsync(count, 0, 2 * sizeof(unsigned long long), reader.get()));
+  const long long cycles = 1'000'000'000;
+  slow_count<<<256, 256, 0, reader.get()>>>(static_cast<unsigned char*>(blocks[0]), 64 * MiB, 1,
+                                            cycles, count);
+  slow_count<<<256, 256, 0, reader.get()>>>(static_cast<unsigned char*>(blocks[2]), 64 * MiB, 1,
+                                            cycles, count + 1);
+  check(cudaGetLastError());
+  vm.deallocate(blocks[0], 64 * MiB, 256, reader);
+  vm.deallocate(blocks[2], 64 * MiB, 256, reader);
+  void* big = vm.allocate(128 * MiB, 256, writer);  // both holes, remapped together
+  CHECK(vm.vm_stats().compactions == 1);
+  check(cudaMemsetAsync(big, 0xFF, 128 * MiB, writer.get()));
+  writer.synchronize();
+  reader.synchronize();
+  unsigned long long host[2] = {0, 0};
+  check(cudaMemcpy(host, count, sizeof host, cudaMemcpyDeviceToHost));
+  CHECK(host[0] == 64 * MiB);
+  CHECK(host[1] == 64 * MiB);
+  check(cudaFree(count));
+  vm.deallocate(big, 128 * MiB, 256, writer);
+  vm.deallocate(blocks[1], 64 * MiB, 256, reader);
+  vm.deallocate(blocks[3], 64 * MiB, 256, reader);
+  CHECK(vm.release() == 256 * MiB);  // waits for every free, then unmaps
 }
 
 TEST_CASE("vm_pool (GPU): destruction gives every byte back to the device") {

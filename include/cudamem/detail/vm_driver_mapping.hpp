@@ -1,4 +1,4 @@
-// cudamem/detail/vm_driver_mapping.hpp — the real mapping layer under vm_pool_resource: CUDA's
+// cudamem/detail/vm_driver_mapping.hpp — the real mapping layer under vm_resource: CUDA's
 // virtual memory management, through the driver table in driver.hpp (no libcuda link).
 //
 //   cudamem::detail::driver_vm_mapping layer{0, {1}};   // device 0, readable by device 1 too
@@ -16,7 +16,8 @@
 //   access is granted read-write to the device and every peer, in one cuMemSetAccess per call.
 // - Costs measured on an H100 (driver 580): cuMemAddressReserve of 158 GiB 22 µs, cuMemCreate
 //   10-18 µs, cuMemMap ~1 µs, cuMemSetAccess 25-47 µs, cuMemUnmap 17-31 µs, cuMemRelease
-//   11-250 µs. The pool is designed so that none of them is on the per-operation path.
+//   11-250 µs. vm_resource is designed so that none of them is on the per-operation path of
+//   a pool over it.
 // - Ordering uses one event per stream (cudaEventDisableTiming), re-recorded at every free on
 //   that stream, as other stream-ordered pools do: waiting for it waits for that free and for
 //   anything submitted to the stream before the latest free (never less than needed).
@@ -50,7 +51,7 @@ class vm_not_supported_error : public cuda_error {
                    "device " + std::to_string(device) +
                        " does not support CUDA virtual memory management "
                        "(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0): use "
-                       "pool_resource instead of vm_pool_resource",
+                       "pool_resource over device_resource instead",
                    where),
         device_(device) {}
   [[nodiscard]] int device() const noexcept { return device_; }
@@ -83,13 +84,13 @@ class driver_vm_mapping final : public vm_mapping_layer {
     for (const int peer : peers_) {
       validate_device(peer, where);
       if (peer == device) {
-        throw std::invalid_argument("cudamem::vm_pool_resource: device " +
+        throw std::invalid_argument("cudamem::vm_resource: device " +
                                     std::to_string(peer) + " is the pool's own device, not a peer");
       }
       int can_access = 0;
       check(cudaDeviceCanAccessPeer(&can_access, peer, device), "cudaDeviceCanAccessPeer");
       if (can_access == 0) {
-        throw std::invalid_argument("cudamem::vm_pool_resource: device " + std::to_string(peer) +
+        throw std::invalid_argument("cudamem::vm_resource: device " + std::to_string(peer) +
                                     " cannot access device " + std::to_string(device) +
                                     " (no peer access between them)");
       }
@@ -110,7 +111,7 @@ class driver_vm_mapping final : public vm_mapping_layer {
 
   ~driver_vm_mapping() override {
     for (const auto& [stream, ev] : events_) {
-      report_error(cudaEventDestroy(ev), "vm_pool_resource: cudaEventDestroy");
+      report_error(cudaEventDestroy(ev), "vm_resource: cudaEventDestroy");
     }
   }
 
@@ -127,7 +128,7 @@ class driver_vm_mapping final : public vm_mapping_layer {
 
   void free_reservation(std::uintptr_t base, std::size_t bytes) noexcept override {
     report_driver_error(driver().mem_address_free(static_cast<CUdeviceptr>(base), bytes),
-                        "vm_pool_resource: cuMemAddressFree");
+                        "vm_resource: cuMemAddressFree");
   }
 
   [[nodiscard]] std::optional<vm_handle> create(std::size_t bytes) override {
@@ -142,7 +143,7 @@ class driver_vm_mapping final : public vm_mapping_layer {
 
   void release(vm_handle handle) noexcept override {
     report_driver_error(driver().mem_release(static_cast<CUmemGenericAllocationHandle>(handle)),
-                        "vm_pool_resource: cuMemRelease");
+                        "vm_resource: cuMemRelease");
   }
 
   void map(std::uintptr_t va, std::size_t bytes, vm_handle handle) override {
@@ -153,7 +154,7 @@ class driver_vm_mapping final : public vm_mapping_layer {
 
   void unmap(std::uintptr_t va, std::size_t bytes) noexcept override {
     report_driver_error(driver().mem_unmap(static_cast<CUdeviceptr>(va), bytes),
-                        "vm_pool_resource: cuMemUnmap");
+                        "vm_resource: cuMemUnmap");
   }
 
   void set_access(std::uintptr_t va, std::size_t bytes) override {
@@ -162,29 +163,29 @@ class driver_vm_mapping final : public vm_mapping_layer {
                  "cuMemSetAccess");
   }
 
-  void record_free(cudaStream_t stream) override {
+  void record_free(cudaStream_t stream, std::uintptr_t /*va*/, std::size_t /*bytes*/) override {
     const cudaEvent_t ev = event_for(stream);
     if (is_default_stream(stream)) {
       // The legacy and per-thread streams are the *current* device's: make ours current.
       const device_guard on{device_};
-      check(cudaEventRecord(ev, stream), "vm_pool_resource: cudaEventRecord");
+      check(cudaEventRecord(ev, stream), "vm_resource: cudaEventRecord");
     } else {
-      check(cudaEventRecord(ev, stream), "vm_pool_resource: cudaEventRecord");
+      check(cudaEventRecord(ev, stream), "vm_resource: cudaEventRecord");
     }
   }
 
   void order_after_free(cudaStream_t user, cudaStream_t freed_on) override {
     const device_guard on{device_};
-    check(cudaStreamWaitEvent(user, event_for(freed_on), 0), "vm_pool_resource: cudaStreamWaitEvent");
+    check(cudaStreamWaitEvent(user, event_for(freed_on), 0), "vm_resource: cudaStreamWaitEvent");
   }
 
   void wait_for_free(cudaStream_t freed_on) override {
-    check(cudaEventSynchronize(event_for(freed_on)), "vm_pool_resource: cudaEventSynchronize");
+    check(cudaEventSynchronize(event_for(freed_on)), "vm_resource: cudaEventSynchronize");
   }
 
   void wait_for_all_frees() noexcept override {
     for (const auto& [stream, ev] : events_) {
-      report_error(cudaEventSynchronize(ev), "vm_pool_resource: cudaEventSynchronize");
+      report_error(cudaEventSynchronize(ev), "vm_resource: cudaEventSynchronize");
     }
   }
 
@@ -211,7 +212,7 @@ class driver_vm_mapping final : public vm_mapping_layer {
     const device_guard on{device_};
     events_.reserve(events_.size() + 1);  // so the push below cannot throw and leak the event
     cudaEvent_t ev = nullptr;
-    check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "vm_pool_resource: cudaEventCreate");
+    check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "vm_resource: cudaEventCreate");
     events_.emplace_back(stream, ev);
     return ev;
   }

@@ -1,4 +1,4 @@
-// cudamem/detail/vm_mapping.hpp — the mapping layer under vm_pool_resource: everything that
+// cudamem/detail/vm_mapping.hpp — the mapping layer under vm_resource: everything that
 // touches the device (address space, physical memory, page mappings, access rights, and the
 // events that order reuse), behind one small interface with two implementations:
 //
@@ -11,9 +11,9 @@
 //
 //   auto layer = std::make_unique<cudamem::detail::simulated_vm_mapping>(
 //       cudamem::detail::simulated_vm_options{.capacity = 80ull << 30});
-//   cudamem::vm_pool_resource pool{std::move(layer)};
+//   cudamem::vm_resource vm{std::move(layer)};      // or vm_pool_resource pool{std::move(layer)}
 //
-// Contract (what vm_pool_resource relies on; both implementations keep it)
+// Contract (what vm_resource relies on; both implementations keep it)
 // - Addresses are plain integers (std::uintptr_t); the layer never dereferences them.
 // - `reserve(bytes)` returns a granule-aligned range of address space with nothing behind it,
 //   or throws. `free_reservation` gives it back; everything in it must be unmapped first.
@@ -21,13 +21,16 @@
 //   granularity. It returns nullopt when the device is out of memory (a normal answer the
 //   pool acts on) and throws for any other failure.
 // - `map(va, bytes, h)` maps the whole handle at `va`. A handle may be mapped at several
-//   addresses at once (the pool keeps a stale alias rather than pay for an unmap at once).
+//   addresses at once (vm_resource keeps a stale alias rather than pay for an unmap at once).
 //   `unmap(va, bytes)` undoes exactly one earlier `map`. `release(h)` drops the handle; its
 //   memory goes back to the device once its last mapping is gone.
 // - `set_access(va, bytes)` makes a range of fresh mappings readable and writable by the
-//   layer's device and its peers. A range may cover several adjacent mappings: the pool
+//   layer's device and its peers. A range may cover several adjacent mappings: vm_resource
 //   calls it once per batch, because it is the expensive call.
-// - Ordering: `record_free(s)` notes that a block's last use was submitted to `s`;
+// - Ordering: `record_free(s, va, bytes)` notes that the last use of [va, va + bytes) was
+//   submitted to `s` (the driver records an event on `s`; the simulated layer marks the
+//   handles behind the range "in flight" until the host has waited for `s`, and counts an
+//   unmap of an in-flight handle as a violation: the bug this layer exists to catch);
 //   `order_after_free(user, freed_on)` makes later work on `user` wait for the last free
 //   recorded on `freed_on` (no host wait); `wait_for_free(freed_on)` blocks the host until it
 //   has finished; `wait_for_all_frees()` does so for every stream seen. Events belong to the
@@ -77,7 +80,7 @@ class vm_mapping_layer {
   virtual void unmap(std::uintptr_t va, std::size_t bytes) noexcept = 0;
   virtual void set_access(std::uintptr_t va, std::size_t bytes) = 0;
 
-  virtual void record_free(cudaStream_t stream) = 0;
+  virtual void record_free(cudaStream_t stream, std::uintptr_t va, std::size_t bytes) = 0;
   virtual void order_after_free(cudaStream_t user, cudaStream_t freed_on) = 0;
   virtual void wait_for_free(cudaStream_t freed_on) = 0;
   virtual void wait_for_all_frees() noexcept = 0;
@@ -105,8 +108,9 @@ struct simulated_vm_options {
 
 /// Host bookkeeping only: the device is a byte budget, addresses are numbers. Every call is
 /// checked against the rules the driver enforces (a violation throws std::logic_error, or is
-/// counted in `violations` where the call is noexcept), so tests catch pool bugs that the
-/// real driver would catch, plus a few it would not (a handle released twice, a leak).
+/// counted in `violations` where the call is noexcept), so tests catch bugs that the real
+/// driver would catch, plus a few it would not (a handle released twice, a leak, an unmap of
+/// memory that work still in flight may touch: `unmaps_in_flight`).
 class simulated_vm_mapping final : public vm_mapping_layer {
  public:
   explicit simulated_vm_mapping(simulated_vm_options options = {}) : options_(options) {
@@ -130,6 +134,7 @@ class simulated_vm_mapping final : public vm_mapping_layer {
   };
   call_counts calls;
   std::size_t violations = 0;  ///< illegal noexcept calls (unmap of no mapping, double release)
+  std::size_t unmaps_in_flight = 0;  ///< unmaps of a handle freed on a stream not yet waited for
 
   /// Physical bytes created and not yet given back (released and unmapped everywhere).
   [[nodiscard]] std::size_t physical_in_use() const noexcept { return physical_in_use_; }
@@ -222,7 +227,7 @@ class simulated_vm_mapping final : public vm_mapping_layer {
     }
     physical_in_use_ += bytes;
     const vm_handle h = next_handle_++;
-    handles_.emplace(h, handle_state{bytes, 0, false});
+    handles_.emplace(h, handle_state{bytes, 0, false, {}});
     return h;
   }
 
@@ -263,6 +268,10 @@ class simulated_vm_mapping final : public vm_mapping_layer {
     }
     const auto h = handles_.find(it->second.handle);
     mappings_.erase(it);
+    if (h != handles_.end() && !h->second.in_flight_on.empty()) {
+      ++unmaps_in_flight;  // a kernel may still read through this mapping
+      ++violations;
+    }
     if (h != handles_.end()) {
       --h->second.mappings;
       forget_if_unused(h);
@@ -283,18 +292,50 @@ class simulated_vm_mapping final : public vm_mapping_layer {
     require(at == end, "set_access: range ends inside a mapping");
   }
 
-  void record_free(cudaStream_t /*stream*/) override { ++calls.record_free; }
-  void order_after_free(cudaStream_t /*user*/, cudaStream_t /*freed_on*/) override {
-    ++calls.order_after_free;
+  void record_free(cudaStream_t stream, std::uintptr_t va, std::size_t bytes) override {
+    ++calls.record_free;
+    // Every handle mapped under the range may still be touched by work on `stream`.
+    auto it = mappings_.upper_bound(va);
+    if (it != mappings_.begin()) {
+      --it;
+    }
+    for (; it != mappings_.end() && it->first < va + bytes; ++it) {
+      if (it->first + it->second.bytes > va) {
+        auto& streams = handles_.at(it->second.handle).in_flight_on;
+        if (std::find(streams.begin(), streams.end(), stream) == streams.end()) {
+          streams.push_back(stream);
+        }
+      }
+    }
   }
-  void wait_for_free(cudaStream_t /*freed_on*/) override { ++calls.wait_for_free; }
-  void wait_for_all_frees() noexcept override { ++calls.wait_for_all_frees; }
+  void order_after_free(cudaStream_t /*user*/, cudaStream_t /*freed_on*/) override {
+    ++calls.order_after_free;  // GPU-side ordering: the host still may not unmap
+  }
+  void wait_for_free(cudaStream_t freed_on) override {
+    ++calls.wait_for_free;
+    for (auto& [h, state] : handles_) {
+      std::erase(state.in_flight_on, freed_on);
+    }
+  }
+  void wait_for_all_frees() noexcept override {
+    ++calls.wait_for_all_frees;
+    for (auto& [h, state] : handles_) {
+      state.in_flight_on.clear();
+    }
+  }
+
+  /// Whether work on some stream may still touch the handle mapped at `va` (tests).
+  [[nodiscard]] bool in_flight(std::uintptr_t va) const {
+    const auto h = handle_at(va);
+    return h && !handles_.at(*h).in_flight_on.empty();
+  }
 
  private:
   struct handle_state {
     std::size_t bytes;
     std::size_t mappings;
     bool released;
+    std::vector<cudaStream_t> in_flight_on;  ///< streams whose frees the host has not awaited
   };
   struct mapping_state {
     std::size_t bytes;

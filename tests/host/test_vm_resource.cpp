@@ -1,0 +1,457 @@
+// vm_resource over the simulated mapping layer (no GPU): growth in batches, whole-handle
+// placement, reuse without driver calls, compaction by recycling handles, stream ordering (and
+// never an unmap of memory still in flight), release, destruction, bad input, a failure
+// inside the layer, and a randomised run checked against a model.
+#include <cudamem/vm_resource.hpp>
+
+#include "captured_errors.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <memory>
+#include <random>
+#include <vector>
+
+using namespace cudamem;
+using detail::simulated_vm_mapping;
+using detail::simulated_vm_options;
+
+namespace {
+
+constexpr std::size_t MiB = std::size_t{1} << 20;
+constexpr std::size_t GiB = std::size_t{1} << 30;
+
+vm_resource_options handles_of(std::size_t handle, std::size_t growth = 0) {
+  vm_resource_options o;
+  o.handle_bytes = handle;
+  o.growth_bytes = growth;
+  return o;
+}
+
+/// A vm_resource over a simulated device of `capacity` bytes, and a view of its layer.
+struct sim_vm {
+  explicit sim_vm(std::size_t capacity, vm_resource_options options = handles_of(32 * MiB),
+                  detail::simulated_vm_final_state* final_state = nullptr)
+      : vm(std::make_unique<simulated_vm_mapping>(simulated_vm_options{
+               .capacity = capacity, .granularity = 2 * MiB, .final_state = final_state}),
+           std::move(options)),
+        layer(dynamic_cast<simulated_vm_mapping&>(vm.mapping_layer())) {}
+  vm_resource vm;
+  simulated_vm_mapping& layer;
+};
+
+cudaStream_t fake_stream(std::uintptr_t n) { return reinterpret_cast<cudaStream_t>(n * 0x1000); }
+std::uintptr_t addr(void* p) { return reinterpret_cast<std::uintptr_t>(p); }
+
+}  // namespace
+
+TEST_CASE("vm_resource: first allocation reserves once, grows in a batch, sets access once") {
+  sim_vm s{8 * GiB, handles_of(32 * MiB, 256 * MiB)};
+  void* p = s.vm.allocate(1000);
+  REQUIRE(p != nullptr);
+  CHECK(addr(p) % (2 * MiB) == 0);
+  CHECK(s.layer.calls.reserve == 1);
+  CHECK(s.layer.reserved_bytes() == 32 * GiB);  // 4x the device by default
+  CHECK(s.layer.calls.create == 8);             // growth_bytes of 32 MiB handles
+  CHECK(s.layer.calls.map == 8);
+  CHECK(s.layer.calls.set_access == 1);
+  CHECK(s.layer.is_accessible(addr(p), 1000));
+  vm_resource_stats st = s.vm.vm_stats();
+  CHECK(st.mapped_bytes == 256 * MiB);
+  CHECK(st.used_bytes == 2 * MiB);
+  CHECK(st.requested_bytes == 1000);
+  CHECK(st.partial_granule_bytes == 2 * MiB - 1000);
+  CHECK(st.handles == 8);
+  CHECK(st.granularity == 2 * MiB);
+  CHECK(st.free_bytes == 254 * MiB);
+  CHECK(st.stranded_bytes == 30 * MiB);  // the rest of the handle the 2 MiB block lives in
+  // Reuse, and more requests that fit, cost the driver nothing.
+  s.vm.deallocate(p, 1000);
+  void* q = s.vm.allocate(100 * MiB);
+  void* r = s.vm.allocate(4 * MiB);
+  CHECK(s.layer.calls.create == 8);
+  CHECK(s.layer.calls.map == 8);
+  st = s.vm.vm_stats();
+  CHECK(st.used_bytes == 128 * MiB + 4 * MiB);  // 100 MiB takes 4 whole handles
+  s.vm.deallocate(q, 100 * MiB);
+  s.vm.deallocate(r, 4 * MiB);
+  CHECK(s.vm.stats().used_bytes == 0);
+  CHECK(s.vm.vm_stats().stranded_bytes == 0);
+  CHECK(s.vm.vm_stats().largest_free_range == 256 * MiB);  // neighbours merged again
+}
+
+TEST_CASE("vm_resource: a block of a handle or more starts and ends on handle boundaries") {
+  sim_vm s{GiB, handles_of(32 * MiB)};
+  void* small = s.vm.allocate(6 * MiB);
+  void* large = s.vm.allocate(40 * MiB);  // not after the 6 MiB: at the next handle
+  CHECK((addr(large) - addr(small)) % (32 * MiB) == 0);
+  CHECK(s.layer.handle_at(addr(large)) != s.layer.handle_at(addr(small)));
+  CHECK(s.vm.vm_stats().used_bytes == 6 * MiB + 64 * MiB);
+  s.vm.deallocate(large, 40 * MiB);
+  // Freed, its handles are wholly free: recyclable, while the small block strands the rest of
+  // its own handle only.
+  const vm_resource_stats st = s.vm.vm_stats();
+  CHECK(st.recyclable_bytes == st.mapped_bytes - 32 * MiB);
+  CHECK(st.stranded_bytes == 26 * MiB);
+  s.vm.deallocate(small, 6 * MiB);
+}
+
+TEST_CASE("vm_resource: when nothing fits, free handles are recycled side by side") {
+  sim_vm s{512 * MiB, handles_of(32 * MiB)};
+  std::vector<void*> blocks;
+  for (int i = 0; i < 16; ++i) {
+    blocks.push_back(s.vm.allocate(32 * MiB));
+  }
+  CHECK_THROWS_AS(s.vm.allocate(32 * MiB), out_of_memory);
+  std::vector<detail::vm_handle> freed;
+  for (int i = 0; i < 16; i += 2) {
+    freed.push_back(*s.layer.handle_at(addr(blocks[i])));
+    s.vm.deallocate(blocks[i], 32 * MiB);
+  }
+  const auto creates = s.layer.calls.create;
+  const auto unmaps = s.layer.calls.unmap;
+  void* big = s.vm.allocate(256 * MiB);  // all eight holes, remapped together
+  CHECK(s.layer.calls.create == creates);
+  CHECK(s.layer.calls.unmap == unmaps);  // the old addresses stay mapped as aliases
+  CHECK(s.layer.is_accessible(addr(big), 256 * MiB));
+  for (std::size_t k = 0; k < 8; ++k) {
+    CHECK(s.layer.handle_at(addr(big) + k * 32 * MiB) == freed[k]);  // moved, not copied
+  }
+  const vm_resource_stats st = s.vm.vm_stats();
+  CHECK(st.compactions == 1);
+  CHECK(st.stale_aliases == 8);
+  CHECK(st.mapped_bytes == 512 * MiB);
+  CHECK(s.layer.physical_in_use() == 512 * MiB);  // aliases are not memory
+  s.vm.deallocate(big, 256 * MiB);
+  for (int i = 1; i < 16; i += 2) {
+    s.vm.deallocate(blocks[i], 32 * MiB);
+  }
+  CHECK(s.vm.release() == 512 * MiB);
+  CHECK(s.layer.physical_in_use() == 0);
+  CHECK(s.layer.mapping_count() == 0);
+  CHECK(s.layer.violations == 0);
+}
+
+TEST_CASE("vm_resource: stream order across reuse and recycling; no unmap while in flight") {
+  sim_vm s{256 * MiB, handles_of(32 * MiB)};
+  const cudaStream_t a = fake_stream(1);
+  const cudaStream_t b = fake_stream(2);
+  void* p = s.vm.allocate(32 * MiB, 256, a);
+  s.vm.deallocate(p, 32 * MiB, 256, a);
+  CHECK(s.layer.calls.record_free == 1);
+  CHECK(s.layer.in_flight(addr(p)));
+  void* q = s.vm.allocate(32 * MiB, 256, a);  // same stream: stream order is enough
+  CHECK(s.layer.calls.order_after_free == 0);
+  s.vm.deallocate(q, 32 * MiB, 256, a);
+  void* r = s.vm.allocate(32 * MiB, 256, b);  // another stream: waits on a's event, no host wait
+  CHECK(s.layer.calls.order_after_free == 1);
+  CHECK(s.layer.calls.wait_for_free == 0);
+  s.vm.deallocate(r, 32 * MiB, 256, b);
+  void* t = s.vm.allocate(32 * MiB);  // synchronous: the host waits
+  CHECK(s.layer.calls.wait_for_free == 1);
+  s.vm.deallocate(t, 32 * MiB);  // a synchronous free records nothing
+  CHECK(s.layer.calls.record_free == 3);
+
+  // Fill the device on a, free every other block on a, then ask on b for more than any hole:
+  // the recycled handles are still in flight on a, so the host waits before remapping them.
+  std::vector<void*> blocks;
+  for (;;) {
+    try {
+      blocks.push_back(s.vm.allocate(32 * MiB, 256, a));
+    } catch (const out_of_memory&) {
+      break;
+    }
+  }
+  REQUIRE(blocks.size() == 8);
+  for (std::size_t i = 0; i < blocks.size(); i += 2) {
+    s.vm.deallocate(blocks[i], 32 * MiB, 256, a);
+  }
+  CHECK(s.layer.in_flight(addr(blocks[0])));
+  const auto waits = s.layer.calls.wait_for_free;
+  void* big = s.vm.allocate(128 * MiB, 256, b);
+  CHECK(s.layer.calls.wait_for_free == waits + 1);
+  CHECK_FALSE(s.layer.in_flight(addr(big)));
+  CHECK(s.vm.vm_stats().compactions == 1);
+  // release() waits for everything before it unmaps the stale aliases.
+  s.vm.deallocate(big, 128 * MiB, 256, b);
+  for (std::size_t i = 1; i < blocks.size(); i += 2) {
+    s.vm.deallocate(blocks[i], 32 * MiB, 256, a);
+  }
+  CHECK(s.vm.release() == 256 * MiB);
+  CHECK(s.layer.calls.wait_for_all_frees >= 1);
+  CHECK(s.layer.unmaps_in_flight == 0);
+  CHECK(s.layer.violations == 0);
+}
+
+TEST_CASE("vm_resource: release keeps what is in use and the handles it shares") {
+  sim_vm s{GiB, handles_of(32 * MiB)};
+  void* keep = s.vm.allocate(MiB);
+  void* drop = s.vm.allocate(100 * MiB);
+  s.vm.deallocate(drop, 100 * MiB);
+  const std::size_t before = s.layer.physical_in_use();
+  const std::size_t released = s.vm.release();
+  CHECK(released == before - 32 * MiB);  // all but the handle under `keep`
+  CHECK(s.layer.physical_in_use() == 32 * MiB);
+  CHECK(s.vm.vm_stats().mapped_bytes == s.layer.physical_in_use());
+  CHECK(s.layer.is_accessible(addr(keep), MiB));
+  s.vm.deallocate(keep, MiB);
+  CHECK(s.vm.release() == 32 * MiB);
+  CHECK(s.layer.physical_in_use() == 0);
+  CHECK(s.layer.violations == 0);
+  void* again = s.vm.allocate(MiB);  // and it still works
+  CHECK(s.layer.is_accessible(addr(again), MiB));
+  s.vm.deallocate(again, MiB);
+}
+
+TEST_CASE("vm_resource: destruction unmaps, releases and frees everything, even leaked ranges") {
+  detail::simulated_vm_final_state final_state;
+  cudamem_test::captured_errors errors;
+  {
+    sim_vm s{GiB, handles_of(32 * MiB), &final_state};
+    void* leaked = s.vm.allocate(3 * MiB, 256, fake_stream(1));
+    static_cast<void>(leaked);
+    std::vector<void*> blocks;
+    try {
+      for (;;) {
+        blocks.push_back(s.vm.allocate(96 * MiB));
+      }
+    } catch (const out_of_memory&) {
+    }
+    REQUIRE(blocks.size() >= 6);
+    for (std::size_t i = 0; i < blocks.size(); i += 2) {
+      s.vm.deallocate(blocks[i], 96 * MiB, 256, fake_stream(2));
+    }
+    void* big = s.vm.allocate(300 * MiB);  // compaction: stale aliases
+    CHECK(s.vm.vm_stats().stale_aliases > 0);
+    s.vm.deallocate(big, 300 * MiB, 256, fake_stream(3));  // in flight at destruction
+    for (std::size_t i = 1; i < blocks.size(); i += 2) {
+      s.vm.deallocate(blocks[i], 96 * MiB);
+    }
+    CHECK_FALSE(final_state.destroyed);
+  }
+  REQUIRE(final_state.destroyed);
+  CHECK(final_state.physical_in_use == 0);
+  CHECK(final_state.mappings == 0);
+  CHECK(final_state.reservations == 0);
+  CHECK(final_state.violations == 0);  // no unmap of in-flight memory: it waited first
+  REQUIRE(errors.messages().size() == 1);
+  CHECK_THAT(errors.messages()[0], Catch::Contains("still allocated"));
+}
+
+TEST_CASE("vm_resource: near the end of the device, smaller handles are made") {
+  sim_vm s{100 * MiB, handles_of(64 * MiB)};
+  void* a = s.vm.allocate(64 * MiB);
+  void* b = s.vm.allocate(36 * MiB);  // 64 MiB will not fit: 32 + 4
+  CHECK(s.layer.physical_in_use() == 100 * MiB);
+  CHECK(s.layer.is_accessible(addr(b), 36 * MiB));
+  CHECK_THROWS_AS(s.vm.allocate(2 * MiB), out_of_memory);
+  s.vm.deallocate(a, 64 * MiB);
+  s.vm.deallocate(b, 36 * MiB);
+  CHECK(s.layer.violations == 0);
+}
+
+TEST_CASE("vm_resource: out_of_memory carries a report; nothing changes on failure") {
+  sim_vm s{256 * MiB, handles_of(32 * MiB)};
+  void* a = s.vm.allocate(200 * MiB);
+  const auto maps = s.layer.calls.map;
+  try {
+    static_cast<void>(s.vm.allocate(100 * MiB));
+    FAIL("expected out_of_memory");
+  } catch (const out_of_memory& e) {
+    CHECK(e.requested_bytes() == 100 * MiB);
+    CHECK(e.report().chain.front().name == "vm_resource");
+    CHECK(e.verdict() == oom_verdict::exhausted);
+    CHECK_THAT(std::string(e.what()), Catch::Contains("recycling and growth both tried"));
+  }
+  CHECK(s.layer.calls.map == maps);
+  CHECK(s.vm.stats().used_bytes == 224 * MiB);
+  CHECK(s.layer.physical_in_use() <= 256 * MiB);
+  CHECK(s.layer.violations == 0);
+  // Larger than the device: refused before anything is tried.
+  const auto creates = s.layer.calls.create;
+  CHECK_THROWS_AS(s.vm.allocate(std::numeric_limits<std::size_t>::max()), out_of_memory);
+  CHECK_THROWS_AS(s.vm.allocate(GiB), out_of_memory);
+  CHECK(s.layer.calls.create == creates);
+  s.vm.deallocate(a, 200 * MiB);
+}
+
+TEST_CASE("vm_resource: physical_limit is a budget") {
+  vm_resource_options o = handles_of(32 * MiB);
+  o.physical_limit = 64 * MiB;
+  sim_vm s{GiB, o};
+  void* a = s.vm.allocate(60 * MiB);
+  try {
+    static_cast<void>(s.vm.allocate(10 * MiB));
+    FAIL("expected out_of_memory");
+  } catch (const out_of_memory& e) {
+    CHECK(e.verdict() == oom_verdict::budget);
+    CHECK_THAT(std::string(e.what()), Catch::Contains("physical limit"));
+  }
+  CHECK(s.layer.physical_in_use() <= 64 * MiB);
+  CHECK(s.vm.stats().budget == 64 * MiB);
+  s.vm.deallocate(a, 60 * MiB);
+}
+
+TEST_CASE("vm_resource: bad input") {
+  sim_vm s{GiB};
+  CHECK(s.vm.allocate(0) == nullptr);
+  s.vm.deallocate(nullptr, 10);
+  CHECK_THROWS_AS(s.vm.allocate(10, 3), std::invalid_argument);
+  CHECK_THROWS_AS(vm_resource(std::unique_ptr<detail::vm_mapping_layer>{}), std::invalid_argument);
+  CHECK_THROWS_AS(vm_resource(std::make_unique<simulated_vm_mapping>(), handles_of(0)),
+                  std::invalid_argument);
+  // Large alignment is honoured, for small and whole-handle blocks.
+  void* aligned = s.vm.allocate(100, 64 * MiB);
+  CHECK(addr(aligned) % (64 * MiB) == 0);
+  CHECK(s.layer.is_accessible(addr(aligned), 100));
+  void* big_aligned = s.vm.allocate(40 * MiB, 128 * MiB);
+  CHECK(addr(big_aligned) % (128 * MiB) == 0);
+  CHECK(s.layer.is_accessible(addr(big_aligned), 40 * MiB));
+  cudamem_test::captured_errors errors;
+  int not_ours = 0;
+  s.vm.deallocate(&not_ours, sizeof not_ours);
+  void* p = s.vm.allocate(1000);
+  s.vm.deallocate(p, 1000);
+  s.vm.deallocate(p, 1000);  // double free
+  void* q = s.vm.allocate(1000);
+  s.vm.deallocate(q, 5 * MiB);  // size mismatch: reported, still freed
+  REQUIRE(errors.messages().size() == 3);
+  CHECK_THAT(errors.messages()[0], Catch::Contains("did not allocate"));
+  CHECK_THAT(errors.messages()[1], Catch::Contains("already freed"));
+  CHECK_THAT(errors.messages()[2], Catch::Contains(std::to_string(5 * MiB) + " bytes"));
+  s.vm.deallocate(aligned, 100, 64 * MiB);
+  s.vm.deallocate(big_aligned, 40 * MiB, 128 * MiB);
+  CHECK(s.vm.stats().used_bytes == 0);
+  CHECK(s.layer.violations == 0);
+}
+
+TEST_CASE("vm_resource: a device that says full leaks nothing, and memory coming back is found") {
+  sim_vm s{GiB, handles_of(32 * MiB)};
+  s.layer.fail_next_creates(100);
+  CHECK_THROWS_AS(s.vm.allocate(MiB), out_of_memory);
+  CHECK(s.layer.physical_in_use() == 0);
+  s.layer.fail_next_creates(0);
+  void* q = s.vm.allocate(MiB);
+  CHECK(s.layer.is_accessible(addr(q), MiB));
+  s.vm.deallocate(q, MiB);
+  // One refusal on a fresh resource: it falls back to smaller handles.
+  sim_vm fresh{GiB, handles_of(32 * MiB)};
+  fresh.layer.fail_next_creates(1);
+  void* p = fresh.vm.allocate(MiB);
+  CHECK(fresh.layer.physical_in_use() == 32 * MiB);
+  CHECK(fresh.vm.vm_stats().handles == 2);  // 2 x 16 MiB
+  fresh.vm.deallocate(p, MiB);
+  CHECK(s.layer.violations == 0);
+  CHECK(fresh.layer.violations == 0);
+}
+
+TEST_CASE("vm_resource: running out of address space sweeps stale aliases first") {
+  vm_resource_options o = handles_of(32 * MiB);
+  o.reserve_bytes = 512 * MiB;  // small, so compactions use it up
+  sim_vm s{256 * MiB, o};
+  for (int round = 0; round < 6; ++round) {
+    std::vector<void*> blocks;
+    for (int i = 0; i < 8; ++i) {
+      blocks.push_back(s.vm.allocate(32 * MiB));
+    }
+    for (int i = 0; i < 8; i += 2) {
+      s.vm.deallocate(blocks[static_cast<std::size_t>(i)], 32 * MiB);
+    }
+    void* big = s.vm.allocate(128 * MiB);
+    REQUIRE(s.layer.is_accessible(addr(big), 128 * MiB));
+    s.vm.deallocate(big, 128 * MiB);
+    for (int i = 1; i < 8; i += 2) {
+      s.vm.deallocate(blocks[static_cast<std::size_t>(i)], 32 * MiB);
+    }
+  }
+  const vm_resource_stats st = s.vm.vm_stats();
+  CHECK(st.unmaps > 0);                               // aliases were swept
+  CHECK(st.reserved_virtual_bytes <= 3 * 512 * MiB);  // and address space did not pile up
+  CHECK(s.layer.physical_in_use() <= 256 * MiB);
+  CHECK(s.layer.violations == 0);
+}
+
+TEST_CASE("vm_resource: randomised against a model") {
+  for (std::uint32_t seed : {1u, 2u, 3u, 4u}) {
+    CAPTURE(seed);
+    const std::size_t capacity = 512 * MiB;
+    sim_vm s{capacity, handles_of(std::size_t{4} << (20 + seed % 3), 64 * MiB)};
+    std::mt19937_64 rng{seed};
+    std::map<std::uintptr_t, std::size_t> live;  // the model: address -> bytes
+    std::size_t live_bytes = 0;
+    for (int op = 0; op < 3000; ++op) {
+      const bool alloc = live.empty() || rng() % 100 < 55;
+      if (alloc) {
+        const int exponent = static_cast<int>(rng() % 27);  // 1 B .. 64 MiB, log-uniform-ish
+        const std::size_t bytes = (std::size_t{1} << exponent) + rng() % 1000;
+        const std::size_t alignment = std::size_t{256} << (rng() % 4);
+        const cudaStream_t stream = fake_stream(rng() % 4);  // 0: the legacy stream
+        void* p = nullptr;
+        try {
+          p = s.vm.allocate(bytes, alignment, stream);
+        } catch (const out_of_memory&) {
+          // Failing is allowed only when the memory is really not there: everything a model
+          // of 2 MiB granules plus at most one handle per live range would need.
+          CHECK(live_bytes + bytes + (live.size() + 2) * s.vm.vm_stats().handle_bytes >
+                capacity);
+          continue;
+        }
+        const std::uintptr_t a = addr(p);
+        CHECK(a % alignment == 0);
+        const auto next = live.lower_bound(a);
+        if (next != live.end()) {
+          REQUIRE(a + bytes <= next->first);
+        }
+        if (next != live.begin()) {
+          REQUIRE(std::prev(next)->first + std::prev(next)->second <= a);
+        }
+        REQUIRE(s.layer.is_accessible(a, bytes));
+        live.emplace(a, bytes);
+        live_bytes += bytes;
+      } else {
+        auto it = live.begin();
+        std::advance(it, static_cast<long>(rng() % live.size()));
+        if (rng() % 4 == 0) {
+          s.vm.deallocate(reinterpret_cast<void*>(it->first), it->second);
+        } else {
+          s.vm.deallocate(reinterpret_cast<void*>(it->first), it->second, 256,
+                          fake_stream(rng() % 4));
+        }
+        live_bytes -= it->second;
+        live.erase(it);
+      }
+      REQUIRE(s.layer.physical_in_use() <= capacity);
+      if (op % 300 == 0) {
+        const vm_resource_stats st = s.vm.vm_stats();
+        CHECK(st.mapped_bytes == s.layer.physical_in_use());
+        CHECK(st.free_bytes == st.recyclable_bytes + st.stranded_bytes);
+        CHECK(st.requested_bytes == live_bytes);
+        for (const auto& [a, b] : live) {
+          REQUIRE(s.layer.is_accessible(a, b));
+        }
+      }
+      if (op == 1500) {
+        s.vm.release();  // mid-run: live ranges must stay mapped
+      }
+    }
+    for (const auto& [a, b] : live) {
+      REQUIRE(s.layer.is_accessible(a, b));
+      s.vm.deallocate(reinterpret_cast<void*>(a), b, 256, fake_stream(1));
+    }
+    CHECK(s.vm.stats().used_bytes == 0);
+    CHECK(s.layer.violations == 0);
+    CHECK(s.layer.unmaps_in_flight == 0);
+  }
+}
+
+TEST_CASE("vm_resource: with no device, the real one throws no_device_error") {
+  if (has_device()) {
+    SUCCEED("a device is present: the GPU tests cover the real resource");
+    return;
+  }
+  CHECK_THROWS_AS(vm_resource{0}, no_device_error);
+  CHECK_THROWS_AS(vm_resource{}, no_device_error);
+}
