@@ -2,6 +2,7 @@
 // (never forwarded), many threads, and a seed-style program that leaks under an exception.
 #include <cudamem/host_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
+#include <cudamem/statistics_adaptor.hpp>
 #include <cudamem/tracking_adaptor.hpp>
 
 #include "captured_errors.hpp"
@@ -492,4 +493,22 @@ TEST_CASE("an upstream that returns a live pointer again is reported, the newer 
   tracked.deallocate(b, 200);
   CHECK(tracked.live_count() == 0);
   CHECK(tracked.stats().used_bytes == 0);
+}
+
+TEST_CASE("tracking under other adaptors still names the user's line") {
+  host_resource host;
+  captured_errors errors;
+  tracking_adaptor tracked{host};
+  statistics_adaptor counted{tracked};  // the user talks to the statistics adaptor on top
+  const unsigned line = __LINE__ + 1;
+  void* p = counted.allocate(256, 64);
+  const auto record = tracked.find(p);
+  REQUIRE(record);
+  CHECK(record->site.line() == line);
+  CHECK(contains(record->site.file_name(), "test_tracking_adaptor.cpp"));
+  CHECK_THROWS_AS(counted.allocate(8, 12), std::invalid_argument);  // checked at the top
+  counted.deallocate(p, 256, 64);
+  CHECK(tracked.live_count() == 0);
+  CHECK(counted.counters().allocations == 1);
+  CHECK(errors.messages().empty());
 }

@@ -47,8 +47,9 @@ class adaptor_base : public memory_resource {
   /// since the resource that failed knew best why.
   void* forward_allocate(std::size_t bytes, std::size_t alignment, request_stream stream) {
     try {
-      return stream ? upstream_->allocate(bytes, alignment, *stream)
-                    : upstream_->allocate(bytes, alignment);
+      // The request was checked (and its call site recorded) when it entered this adaptor.
+      return stream ? allocate_checked(*upstream_, bytes, alignment, *stream)
+                    : allocate_checked(*upstream_, bytes, alignment);
     } catch (const out_of_memory& below) {
       throw_out_of_memory(*this, bytes, alignment, below.report().cause, below.report().verdict);
     }
