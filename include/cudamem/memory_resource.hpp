@@ -245,6 +245,18 @@ class memory_resource {
  protected:
   memory_resource(memory_kind kind, int device) noexcept : kind_(kind), device_(device) {}
 
+  /// For adaptors, which pass on a request their own `allocate` has already checked (bytes
+  /// non-zero, alignment valid, call site recorded): straight to `upstream`'s implementation,
+  /// without checking it a second time at every level of a chain.
+  static void* allocate_checked(memory_resource& upstream, std::size_t bytes,
+                                std::size_t alignment, stream_view stream) {
+    return upstream.do_allocate(bytes, alignment, stream);
+  }
+  static void* allocate_checked(memory_resource& upstream, std::size_t bytes,
+                                std::size_t alignment) {
+    return upstream.do_allocate_sync(bytes, alignment);
+  }
+
   /// Throws std::invalid_argument unless `alignment` is a non-zero power of two.
   static void validate_alignment(std::size_t alignment) {
     // The bit trick, not std::has_single_bit: without -mpopcnt that is a call into libgcc on
