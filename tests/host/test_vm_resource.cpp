@@ -455,3 +455,46 @@ TEST_CASE("vm_resource: with no device, the real one throws no_device_error") {
   CHECK_THROWS_AS(vm_resource{0}, no_device_error);
   CHECK_THROWS_AS(vm_resource{}, no_device_error);
 }
+
+TEST_CASE("vm_resource: a map that fails half-way through a batch leaks nothing") {
+  detail::simulated_vm_final_state final_state;
+  {
+    sim_vm s{512 * MiB, handles_of(32 * MiB), &final_state};
+    // During growth: the fresh handles go back.
+    s.layer.fail_map_after(3);
+    CHECK_THROWS_AS(s.vm.allocate(200 * MiB), std::runtime_error);
+    CHECK(s.layer.physical_in_use() == 0);
+    CHECK(s.layer.mapping_count() == 0);
+    CHECK(s.vm.vm_stats().mapped_bytes == 0);
+    // During a compaction: the recycled handles stay where they were, free and usable.
+    std::vector<void*> blocks;
+    for (int i = 0; i < 16; ++i) {
+      blocks.push_back(s.vm.allocate(32 * MiB));
+    }
+    for (int i = 0; i < 16; i += 2) {
+      s.vm.deallocate(blocks[static_cast<std::size_t>(i)], 32 * MiB);
+    }
+    const vm_resource_stats before = s.vm.vm_stats();
+    s.layer.fail_map_after(5);
+    CHECK_THROWS_AS(s.vm.allocate(256 * MiB), std::runtime_error);
+    const vm_resource_stats after = s.vm.vm_stats();
+    CHECK(after.mapped_bytes == before.mapped_bytes);
+    CHECK(after.recyclable_bytes == before.recyclable_bytes);
+    CHECK(after.stale_aliases == before.stale_aliases);
+    CHECK(after.handles == before.handles);
+    for (std::size_t i = 1; i < blocks.size(); i += 2) {
+      REQUIRE(s.layer.is_accessible(addr(blocks[i]), 32 * MiB));
+    }
+    void* big = s.vm.allocate(256 * MiB);  // and the same request works next time
+    CHECK(s.layer.is_accessible(addr(big), 256 * MiB));
+    s.vm.deallocate(big, 256 * MiB);
+    for (std::size_t i = 1; i < blocks.size(); i += 2) {
+      s.vm.deallocate(blocks[i], 32 * MiB);
+    }
+    CHECK(s.layer.violations == 0);
+  }
+  CHECK(final_state.physical_in_use == 0);
+  CHECK(final_state.mappings == 0);
+  CHECK(final_state.reservations == 0);
+  CHECK(final_state.violations == 0);
+}

@@ -182,6 +182,9 @@ class simulated_vm_mapping final : public vm_mapping_layer {
 
   /// Makes the next `count` calls to create() answer "out of memory" (tests of the fallback).
   void fail_next_creates(std::size_t count) noexcept { failing_creates_ = count; }
+  /// Makes the map() call after the next `skip` ones throw std::runtime_error, as a driver
+  /// error would (tests that a failure half-way through a batch leaks nothing).
+  void fail_map_after(std::size_t skip) noexcept { maps_before_failure_ = skip + 1; }
 
   // --- the layer ----------------------------------------------------------------------------
   [[nodiscard]] int device() const noexcept override { return -1; }
@@ -244,6 +247,9 @@ class simulated_vm_mapping final : public vm_mapping_layer {
 
   void map(std::uintptr_t va, std::size_t bytes, vm_handle handle) override {
     ++calls.map;
+    if (maps_before_failure_ > 0 && --maps_before_failure_ == 0) {
+      throw std::runtime_error("simulated_vm_mapping: injected map failure");
+    }
     const auto h = handles_.find(handle);
     require(h != handles_.end() && !h->second.released, "map: unknown or released handle");
     require(h->second.bytes == bytes, "map: size differs from the handle's");
@@ -370,6 +376,7 @@ class simulated_vm_mapping final : public vm_mapping_layer {
   vm_handle next_handle_ = 1;
   std::size_t physical_in_use_ = 0;
   std::size_t failing_creates_ = 0;
+  std::size_t maps_before_failure_ = 0;  ///< 0: no failure planned
   std::map<std::uintptr_t, std::size_t> reservations_;
   std::map<std::uintptr_t, mapping_state> mappings_;
   std::map<vm_handle, handle_state> handles_;
