@@ -341,23 +341,46 @@ class pool_resource final : public memory_resource, private detail::stream_liste
   }
 
   /// `stream` null: the synchronous form (ready for everyone on return).
+  /// The fast path, inline: a cache hit whose block is free of pending frees on other streams
+  /// (the common case) costs a lock, a pop and a few stores. Everything else is in functions
+  /// of its own, kept out of line so that this one needs few registers and no stack frame.
   void* allocate_block(std::size_t bytes, std::size_t alignment, const stream_view* stream) {
     const std::size_t padding = alignment > granule ? alignment - granule : 0;
     const std::size_t size = round_up(bytes);
-    if (size == 0 || size > options_.maximum_size || padding > options_.maximum_size - size) {
-      throw_out_of_memory(*this, bytes, alignment,
-                          "pool_resource: larger than the pool's maximum size (" +
-                              format_bytes(options_.maximum_size) + ")");
+    if (size == 0 || size > options_.maximum_size || padding > options_.maximum_size - size)
+        [[unlikely]] {
+      throw_too_large(bytes, alignment);
     }
-    const tier t = size <= options_.small_block_limit ? small_tier : large_tier;
     shard& home = *shards_[detail::pool_thread_slot() & shard_mask_];
-    {
-      const std::lock_guard lock(home.mutex);
-      if (size <= cache_limit_) {
-        if (block* b = home.cached.pop(size, alignment - 1)) {
-          return hand_out_cached(home, b, stream);
+    home.mutex.lock();
+    if (size <= cache_limit_) {
+      if (block* b = home.cached.pop(size, alignment - 1)) {
+        if (b->tag.empty() || b->tag.only_on(stream)) [[likely]] {
+          b->tag.clear();
+          home.used += b->size;
+          home.peak = std::max(home.peak, home.used);
+          home.mutex.unlock();
+          return reinterpret_cast<void*>(b->address);
         }
+        return hand_out_cached(home, b, stream);
       }
+    }
+    return allocate_uncached(home, bytes, size, alignment, stream);
+  }
+
+  [[noreturn, gnu::noinline]] void throw_too_large(std::size_t bytes, std::size_t alignment) const {
+    throw_out_of_memory(*this, bytes, alignment,
+                        "pool_resource: larger than the pool's maximum size (" +
+                            format_bytes(options_.maximum_size) + ")");
+  }
+
+  /// A request the cache could not serve: from sh's heap, else after flushing the cache, else
+  /// from the upstream. Called with home's lock held; releases it.
+  [[gnu::noinline]] void* allocate_uncached(shard& home, std::size_t bytes, std::size_t size,
+                                            std::size_t alignment, const stream_view* stream) {
+    const tier t = size <= options_.small_block_limit ? small_tier : large_tier;
+    {
+      const std::lock_guard lock(home.mutex, std::adopt_lock);
       if (void* p = take(home, t, size, alignment, stream)) {
         return p;
       }
@@ -371,19 +394,15 @@ class pool_resource final : public memory_resource, private detail::stream_liste
     return grow_and_allocate(home, t, bytes, size, alignment, stream);
   }
 
-  /// Hands out block `b` just popped from sh's cache (still in sh.live). Caller holds the lock.
-  void* hand_out_cached(shard& sh, block* b, const stream_view* stream) {
-    if (!b->tag.empty()) {
-      try {
-        if (b->tag.only_on(stream)) {
-          b->tag.clear();
-        } else {
-          make_ready(sh, *b, stream);
-        }
-      } catch (...) {
-        sh.cached.push(b);
-        throw;
-      }
+  /// Hands out block `b` just popped from sh's cache (still in sh.live) whose pending frees
+  /// need an event check. Called with sh's lock held; releases it.
+  [[gnu::noinline]] void* hand_out_cached(shard& sh, block* b, const stream_view* stream) {
+    const std::lock_guard lock(sh.mutex, std::adopt_lock);
+    try {
+      make_ready(sh, *b, stream);
+    } catch (...) {
+      sh.cached.push(b);
+      throw;
     }
     sh.used += b->size;
     sh.peak = std::max(sh.peak, sh.used);
@@ -606,16 +625,24 @@ class pool_resource final : public memory_resource, private detail::stream_liste
     free_block(p, bytes, nullptr);
   }
 
+  /// The fast path, inline like allocate_block's: a block of this thread's shard, freed with
+  /// its own size on the stream the shard saw last, into a cache with room.
   void free_block(void* p, std::size_t bytes, const stream_view* stream) noexcept {
     const auto address = reinterpret_cast<std::uintptr_t>(p);
     shard& home = *shards_[detail::pool_thread_slot() & shard_mask_];
-    {
-      const std::lock_guard lock(home.mutex);
-      if (block* b = home.live.find(address); b != nullptr && !b->cached) {
-        finish_free(home, b, bytes, stream);
-        return;
-      }
+    home.mutex.lock();
+    if (block* b = home.live.find(address); b != nullptr && !b->cached) [[likely]] {
+      finish_free(home, b, bytes, stream);
+      return;
     }
+    home.mutex.unlock();
+    free_elsewhere(address, bytes, stream);
+  }
+
+  /// A block another thread's shard gave out (found through the chunk directory), or a bad
+  /// pointer.
+  [[gnu::noinline]] void free_elsewhere(std::uintptr_t address, std::size_t bytes,
+                                        const stream_view* stream) noexcept {
     shard* owner = nullptr;
     {
       const std::shared_lock lock(directory_mutex_);
@@ -631,9 +658,10 @@ class pool_resource final : public memory_resource, private detail::stream_liste
       report_problem("pool_resource: deallocate of a pointer this pool did not give out; ignored");
       return;
     }
-    const std::lock_guard lock(owner->mutex);
+    owner->mutex.lock();
     block* b = owner->live.find(address);
     if (b == nullptr || b->cached) {
+      owner->mutex.unlock();
       report_problem("pool_resource: deallocate of a block that is not allocated (a double free, "
                      "or a pointer into the middle of a block); ignored");
       return;
@@ -641,9 +669,36 @@ class pool_resource final : public memory_resource, private detail::stream_liste
     finish_free(*owner, b, bytes, stream);
   }
 
-  /// Frees `b` (found in sh.live, handed out): into sh's cache while it has room, else back
-  /// to its heap. Caller holds sh's lock.
+  /// Frees `b` (found in sh.live, handed out). Called with sh's lock held; releases it. Inline:
+  /// the size matches, the cache has room and the stream is the one whose record the shard
+  /// looked up last (a handed-out block has no pending frees, so its tag gets one entry).
   void finish_free(shard& sh, block* b, std::size_t bytes, const stream_view* stream) noexcept {
+    const std::size_t size = round_up(bytes);
+    const bool size_matches = size <= b->size && b->size - size <= size / 8;
+    const bool cacheable =
+        b->size <= cache_limit_ && sh.cached.bytes() + b->size <= options_.cache_bytes;
+    const bool tracked = tracks_streams_ && stream != nullptr;
+    stream_record* rec = sh.last_record;
+    const bool known_stream = !tracked || (rec != nullptr && rec->handle == stream->get() &&
+                                           rec->handle != cudaStreamPerThread && !rec->retired);
+    if (size_matches && cacheable && known_stream) [[likely]] {
+      if (tracked) {
+        ++rec->frees;
+        b->tag.add(rec, rec->frees);
+      }
+      sh.used -= b->size;
+      sh.cached.push(b);
+      sh.mutex.unlock();
+      return;
+    }
+    finish_free_slow(sh, b, bytes, stream);
+  }
+
+  /// finish_free's general case: a size mismatch, a full cache, another stream. Called with
+  /// sh's lock held; releases it.
+  [[gnu::noinline]] void finish_free_slow(shard& sh, block* b, std::size_t bytes,
+                                          const stream_view* stream) noexcept {
+    const std::lock_guard lock(sh.mutex, std::adopt_lock);
     const std::size_t size = round_up(bytes);
     if (size > b->size || b->size - size > size / 8) {  // from the cache: up to 1/8 larger
       report_problem("pool_resource: deallocate with a size that does not match the allocation; "
@@ -716,7 +771,9 @@ class pool_resource final : public memory_resource, private detail::stream_liste
             continue;
           }
           while (auto* r = h.first_idle_region()) {
-            chunks.reserve(chunks.size() + 1);  // may throw: the region is still held
+            if (chunks.size() == chunks.capacity()) {  // geometric growth: many chunks at once
+              chunks.reserve(2 * chunks.size() + 16);   // may throw: the region is still held
+            }
             chunks.push_back({r->base, r->size, !r->first->tag.empty()});
             h.remove_region(r);
           }

@@ -35,7 +35,7 @@ class spin_lock {
   void unlock() noexcept { locked_.store(false, std::memory_order_release); }
 
  private:
-  void wait_until_free() const noexcept {
+  [[gnu::noinline]] void wait_until_free() const noexcept {  // out of line: lock() stays small
     constexpr unsigned spins_before_yield = 64;
     for (unsigned spins = 0; locked_.load(std::memory_order_relaxed); ++spins) {
       if (spins < spins_before_yield) {

@@ -137,6 +137,7 @@ class tlsf_heap {
     b->address = base;
     b->size = size;
     b->region = r;
+    b->tag = Tag{};
     r->first = r->last = b;
     r->next = regions_;
     if (regions_ != nullptr) {
@@ -170,6 +171,7 @@ class tlsf_heap {
     b->address = tail->address + tail->size;
     b->size = extra;
     b->region = r;
+    b->tag = Tag{};
     b->prev_phys = tail;
     tail->next_phys = b;
     r->last = b;
@@ -450,12 +452,21 @@ class tlsf_heap {
       }
     }
   }
+  /// A spare node with its links cleared. The caller sets address, size, region and tag; the
+  /// rest is left as it was (not `*b = block{}`: zeroing all three cache lines of a node
+  /// cost more than the split it is for).
   block* take_node() noexcept {
     assert(spare_ != nullptr);
     block* b = spare_;
     spare_ = b->next_free;
     --spare_count_;
-    *b = block{};
+    b->next_cached = nullptr;
+    b->free = false;
+    b->cached = false;
+    b->prev_phys = nullptr;
+    b->next_phys = nullptr;
+    b->prev_free = nullptr;
+    b->next_free = nullptr;
     return b;
   }
   void recycle_node(block* b) noexcept {
