@@ -10,7 +10,10 @@
 //
 // and forwards with `forward_allocate` / `forward_deallocate`. CRTP rather than a second
 // virtual layer: the adaptors sit on the hot path of every allocation, and one virtual call
-// (the resource's own do_allocate) is all they should cost in dispatch.
+// per level (the resource's own do_allocate) is all they should cost in dispatch. A request is
+// checked once, where it enters the chain (memory_resource::allocate); the adaptor passes it
+// to the upstream's implementation directly (`allocate_checked`), so a chain of four adaptors
+// does not validate the alignment, or record the call site, four times.
 //
 // Why both forms go through one function: a stream-ordered request must stay stream-ordered
 // all the way down, and a synchronous one must reach the upstream's synchronous form (which,
