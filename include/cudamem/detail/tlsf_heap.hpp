@@ -21,7 +21,9 @@
 //   exactly: near best fit), then takes the head of the next class up, where every block fits
 //   (TLSF's "good fit": at most 1/32 larger than needed before splitting). The block is split
 //   and the rest goes back as a free block; free() merges the block with free address
-//   neighbours at once, so no two free blocks are ever adjacent.
+//   neighbours at once, so no two free blocks are ever adjacent. When a cut or a merge leaves
+//   the free block in its size class (the common case for a large chunk's free tail), the free
+//   block keeps its node and its place in its list: no unlinking and relinking.
 // - A region is one contiguous range (an upstream allocation). Blocks never merge across
 //   regions, so a region whose one block is free can be handed back whole. extend_region()
 //   grows a region at its end: a pool over a growable virtual address range maps more memory
@@ -224,8 +226,12 @@ class tlsf_heap {
     if (b == nullptr || b->size > largest_split) {
       return nullptr;
     }
-    remove_free(b);
     const std::size_t front = aligned_offset(b->address, alignment);
+    if (front == 0 && b->size > size && !is_whole_region(b) &&
+        same_class(b->size, b->size - size)) {
+      return cut_below(b, size);  // the rest keeps b's node and its place in its list
+    }
+    remove_free(b);
     if (front != 0) {  // give the bytes below the aligned address back as a free block
       block* aligned = split(b, front);
       insert_free(b);
@@ -240,13 +246,26 @@ class tlsf_heap {
   /// Returns a block; merges it with free neighbours. Returns the resulting free block.
   block* free(block* b) noexcept {
     assert(!b->free);
-    if (block* below = b->prev_phys; below != nullptr && below->free) {
+    block* below = b->prev_phys != nullptr && b->prev_phys->free ? b->prev_phys : nullptr;
+    block* above = b->next_phys != nullptr && b->next_phys->free ? b->next_phys : nullptr;
+    // One free neighbour whose size class the merge does not change: it absorbs b where it
+    // is in its free list (no unlinking and relinking).
+    if ((below == nullptr) != (above == nullptr)) {
+      block* neighbour = below != nullptr ? below : above;
+      if (same_class(neighbour->size, neighbour->size + b->size) &&
+          (neighbour == below ? below->prev_phys != nullptr || b->next_phys != nullptr
+                              : b->prev_phys != nullptr || above->next_phys != nullptr)) {
+        absorb_in_place(neighbour, b);
+        return neighbour;
+      }
+    }
+    if (below != nullptr) {
       remove_free(below);
       below->tag.absorb(b->tag);
       merge_into(below, b);
       b = below;
     }
-    if (block* above = b->next_phys; above != nullptr && above->free) {
+    if (above != nullptr) {
       remove_free(above);
       b->tag.absorb(above->tag);
       merge_into(b, above);
@@ -409,6 +428,63 @@ class tlsf_heap {
   }
 
   // --- splitting and merging ----------------------------------------------------------------
+
+  [[nodiscard]] static bool is_whole_region(const block* b) noexcept {
+    return b->prev_phys == nullptr && b->next_phys == nullptr;
+  }
+  [[nodiscard]] bool same_class(std::size_t a, std::size_t b) const noexcept {
+    const size_class ca = class_of(a);
+    const size_class cb = class_of(b);
+    return ca.first == cb.first && ca.second == cb.second;
+  }
+
+  /// Cuts `size` bytes off the bottom of free block `b` (not a whole region, and still in the
+  /// same size class afterwards) as a new in-use block; b keeps the rest, staying in its list.
+  block* cut_below(block* b, std::size_t size) noexcept {
+    block* lower = take_node();
+    lower->address = b->address;
+    lower->size = size;
+    lower->region = b->region;
+    lower->tag = b->tag;
+    lower->prev_phys = b->prev_phys;
+    lower->next_phys = b;
+    if (lower->prev_phys != nullptr) {
+      lower->prev_phys->next_phys = lower;
+    } else {
+      b->region->first = lower;
+    }
+    b->prev_phys = lower;
+    b->address += size;
+    b->size -= size;
+    free_bytes_ -= size;
+    return lower;
+  }
+
+  /// Merges in-use block `b` into its free address neighbour `n` (below or above it), whose
+  /// size class stays the same and which does not become its whole region: n stays where it
+  /// is in its free list.
+  void absorb_in_place(block* n, block* b) noexcept {
+    n->tag.absorb(b->tag);
+    if (n == b->prev_phys) {
+      n->next_phys = b->next_phys;
+      if (n->next_phys != nullptr) {
+        n->next_phys->prev_phys = n;
+      } else {
+        n->region->last = n;
+      }
+    } else {
+      n->address = b->address;
+      n->prev_phys = b->prev_phys;
+      if (n->prev_phys != nullptr) {
+        n->prev_phys->next_phys = n;
+      } else {
+        n->region->first = n;
+      }
+    }
+    n->size += b->size;
+    free_bytes_ += b->size;
+    recycle_node(b);
+  }
 
   /// Cuts `b` (not in a free list) at `offset`; returns the upper part, linked after `b`.
   block* split(block* b, std::size_t offset) noexcept {
