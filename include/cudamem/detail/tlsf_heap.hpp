@@ -70,6 +70,7 @@ struct alignas(64) tlsf_block {
   std::size_t size = 0;
   /// Free for the heap's user while the block is in use (pool_resource: its block_cache).
   tlsf_block* next_cached = nullptr;
+  tlsf_region<Tag>* region = nullptr;  ///< here, not below: a user that frees reads it at once
   bool free = false;
   bool cached = false;  ///< also the user's, like next_cached
   Tag tag{};
@@ -77,7 +78,6 @@ struct alignas(64) tlsf_block {
   tlsf_block* next_phys = nullptr;  ///< the block just above in the same region, or nullptr
   tlsf_block* prev_free = nullptr;  ///< size-class list links, meaningful while free
   tlsf_block* next_free = nullptr;
-  tlsf_region<Tag>* region = nullptr;
 };
 
 /// One contiguous range given to the heap.
