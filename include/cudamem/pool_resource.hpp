@@ -67,10 +67,13 @@
 //   `cache_bytes`. A request first looks at the top of its class's stack: a hit costs a
 //   lock, a few loads and no heap work, and a block freed on another stream goes through the
 //   same event check as any other. Cached blocks count as free in stats() (free_blocks,
-//   largest_free_block). They do not merge with their neighbours until flushed: when the heap
-//   cannot serve a request, before chunks are released (release(), the retry after an
-//   upstream failure, making room for a small chunk) and before the last look through every
-//   shard, so growth, release and out_of_memory behave as without the cache.
+//   largest_free_block). They do not merge with their neighbours until flushed. When the heap
+//   cannot serve a request, cached blocks go back to it largest first until one merges into a
+//   free block that can hold the request (so a miss costs a few cached blocks, not the whole
+//   cache); the whole cache is flushed before the pool grows, before chunks are released
+//   (release(), the retry after an upstream failure, making room for a small chunk) and
+//   before the last look through every shard, so growth, release and out_of_memory behave as
+//   without the cache.
 // - Each chunk's free blocks live in a TLSF index (detail/tlsf_heap.hpp): O(1) search however
 //   many holes, splitting, and immediate merging of address neighbours. Block records are
 //   host-side nodes; the pool never reads or writes the memory it manages.
@@ -384,8 +387,16 @@ class pool_resource final : public memory_resource, private detail::stream_liste
       if (void* p = take(home, t, size, alignment, stream)) {
         return p;
       }
-      if (home.cached.count() != 0) {  // the cached blocks may merge into room for it
-        flush_cache(home);
+      // Cached blocks may merge into room for it. Flush them, largest first, only until one
+      // merges into a free block of this tier that can hold the request: a miss then costs
+      // a few blocks of the cache, not all of it. The whole cache goes before the pool grows.
+      const std::size_t needed = size + (alignment > granule ? alignment - granule : 0);
+      while (home.cached.count() != 0) {
+        home.cached.drain_until([&](block* c) {
+          home.live.erase(c->address);
+          const block* merged = home.tiers[c->region->owner].free(c);
+          return merged->region->owner == t && merged->size >= needed;
+        });
         if (void* p = take(home, t, size, alignment, stream)) {
           return p;
         }

@@ -642,6 +642,34 @@ TEST_CASE("pool cache: cached blocks merge when the heap has no room, and before
   pool.deallocate(large, 4 * MiB);
 }
 
+TEST_CASE("pool cache: a request the heap cannot serve flushes only what it needs") {
+  simulated_resource device;
+  pool_resource pool{device, {.maximum_size = 4 * MiB, .shards = 1}};
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) {
+    blocks.push_back(pool.allocate(512 * 1024));  // fills the one 4 MiB small chunk, in order
+  }
+  for (void* p : blocks) {
+    pool.deallocate(p, 512 * 1024);  // all cached: the last one freed is on top
+  }
+  // The top two (blocks 7, then 6) go back to the heap and merge into 1 MiB: enough.
+  void* big = pool.allocate(MiB);
+  CHECK(big == blocks[6]);
+  resource_stats s = pool.stats();
+  CHECK(s.free_blocks == 6);  // the other six are still cached, each reusable whole
+  CHECK(s.used_bytes == MiB);
+  CHECK(pool.allocate(512 * 1024) == blocks[5]);
+  pool.deallocate(blocks[5], 512 * 1024);
+  // Nothing cached can merge into 4 MiB while `big` lives: the whole cache goes, then the
+  // pool is full and says so (it never grows while a flush might still make room).
+  CHECK_THROWS_AS(pool.allocate(3 * MiB + 512 * 1024), out_of_memory);
+  CHECK(pool.stats().free_blocks == 1);  // everything merged: blocks 0-5, one free block
+  CHECK(pool.stats().largest_free_block == 3 * MiB);
+  pool.deallocate(big, MiB);  // cached again
+  CHECK(pool.release() == 4 * MiB);
+  CHECK(device.used_bytes() == 0);
+}
+
 TEST_CASE("pool cache: its byte bound holds") {
   simulated_resource device;
   pool_resource pool{device, {.shards = 1, .cache_bytes = MiB}};

@@ -6,6 +6,7 @@
 //   cache.push(b);                                      // b stays "in use" for the heap
 //   block* again = cache.pop(size, alignment - 1);      // size <= again->size <= size + size/8
 //   cache.drain([&](block* c) { heap.free(c); });       // flush: merge them back
+//   cache.drain_until([&](block* c) { return heap.free(c)->size >= n; });  // until room for n
 //
 // Why (for a student)
 // - Programs free and allocate the same few sizes over and over. A general heap pays for that
@@ -110,6 +111,23 @@ class block_cache {
     bytes_ = 0;
     count_ = 0;
     top_index_ = 0;
+  }
+
+  /// Hands cached blocks to `f(Block*) -> bool` (which must not throw), largest classes first,
+  /// until f returns true; returns false when the cache ran empty first. (An owner that wants
+  /// room for one request need not give up the whole cache for it.)
+  template <class F>
+  bool drain_until(F&& f) noexcept {
+    for (std::size_t i = top_index_ + 1; i-- > 0;) {
+      while (heads_[i] != nullptr) {
+        top_index_ = i;  // every stack above i is empty now
+        if (f(unlink(i))) {
+          return true;
+        }
+      }
+    }
+    top_index_ = 0;
+    return false;
   }
 
   [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
