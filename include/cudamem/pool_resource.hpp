@@ -62,7 +62,7 @@
 //
 // Design, and its limits
 // - Front end: a freed block of at most `cache_block_limit` bytes is kept whole in its
-//   shard's cache (detail/block_cache.hpp: a stack per size class, 8 classes per power of
+//   shard's cache (detail/block_cache.hpp: a stack per size class, 16 classes per power of
 //   two), tagged with its stream like any free block, while the shard caches at most
 //   `cache_bytes`. A request first looks at the top of its class's stack: a hit costs a
 //   lock, a few loads and no heap work, and a block freed on another stream goes through the
@@ -127,7 +127,12 @@ struct pool_options {
   unsigned shards = 0;  ///< a power of two; 0: one per hardware thread, at most 16
   /// Largest block kept whole in the front-end cache (rounded up to a size class); 0: no cache.
   std::size_t cache_block_limit = std::size_t{4} << 20;
-  std::size_t cache_bytes = std::size_t{64} << 20;  ///< most bytes cached per shard
+  /// Most bytes cached per shard. Cached blocks are the shard's free memory, flushed before
+  /// the pool grows, so a large bound costs no upstream memory: it bounds how much a full
+  /// flush (release(), growth) has to merge. Below a few hundred MiB, traces whose live set is
+  /// larger miss the cache more often (random_256B-4MiB: 196 instructions per operation with
+  /// 64 MiB, 168 with 1 GiB).
+  std::size_t cache_bytes = std::size_t{1} << 30;
 };
 
 namespace detail {

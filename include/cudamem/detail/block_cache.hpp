@@ -12,10 +12,10 @@
 // - Programs free and allocate the same few sizes over and over. A general heap pays for that
 //   every time: find a block, split it, and on free look up its neighbours and merge. A cache
 //   of whole blocks skips all of it, if a cached block is close enough in size to the next
-//   request. Blocks are filed by size class: below 16 granules every size is its own class,
-//   above it each power of two is split into 8 classes (2^`steps_log2`). A request looks at the
-//   top of its own class's stack (taken if at least as large) and of the next class up (taken
-//   if at most 1/8 larger than the request), so a block from the cache wastes less than 1/8
+//   request. Blocks are filed by size class: below 32 granules every size is its own class,
+//   above it each power of two is split into 16 classes (2^`steps_log2`). A request looks at
+//   the top of its own class's stack (taken if at least as large) and of the next two classes
+//   up (taken if at most 1/8 larger than the request), so a block from the cache wastes less than 1/8
 //   (12.5 %) of the request, and blocks that come from the heap waste nothing.
 // - Cached blocks are "in use" as far as the heap knows: they are not merged with their free
 //   neighbours, so the owner flushes the cache (drain) before it concludes that the heap has
@@ -28,7 +28,7 @@
 //   `Block* next_cached` and `bool cached`; push sets `cached`, pop and drain clear it (the
 //   owner's double-free check).
 // - pop(size, mask) returns a block b with size <= b->size <= size + size / 8 and
-//   (b->address & mask) == 0, or nullptr; it looks at two blocks at most.
+//   (b->address & mask) == 0, or nullptr; it looks at three blocks at most.
 // - Not thread-safe: the owner locks. Counts and bytes are exact at every moment.
 #pragma once
 
@@ -50,7 +50,7 @@ class block_cache {
   explicit block_cache(std::size_t granule) noexcept
       : granule_log2_(static_cast<unsigned>(std::countr_zero(granule))) {}
 
-  /// The stack a block of `units` granules lives in: units itself below exact_below, then 8
+  /// The stack a block of `units` granules lives in: units itself below exact_below, then 16
   /// consecutive stacks per power of two (the class is the top 1 + steps_log2 bits).
   [[nodiscard]] static constexpr std::size_t class_index(std::size_t units) noexcept {
     if (units < exact_below) {
