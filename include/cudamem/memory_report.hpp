@@ -31,6 +31,7 @@
 // - Making a report never throws for lack of a device: figures it cannot get are left empty.
 #pragma once
 
+#include <cudamem/detail/json.hpp>
 #include <cudamem/memory_resource.hpp>
 
 #include <cuda_runtime_api.h>
@@ -253,22 +254,7 @@ struct memory_report {
   }
 
  private:
-  static std::string quote(std::string_view s) {
-    std::string out = "\"";
-    for (const char c : s) {
-      if (c == '"' || c == '\\') {
-        out += '\\';
-        out += c;
-      } else if (static_cast<unsigned char>(c) < 0x20) {
-        char esc[8];
-        std::snprintf(esc, sizeof esc, "\\u%04x", static_cast<unsigned>(c));
-        out += esc;
-      } else {
-        out += c;
-      }
-    }
-    return out + "\"";
-  }
+  static std::string quote(std::string_view s) { return detail::json_quote(s); }
 };
 
 namespace detail {

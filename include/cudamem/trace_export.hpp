@@ -29,6 +29,7 @@
 //   `std::runtime_error` if the file cannot be written.
 #pragma once
 
+#include <cudamem/detail/json.hpp>
 #include <cudamem/log_format.hpp>
 
 #include <cstddef>
@@ -128,22 +129,7 @@ class chrome_trace {
     return text;
   }
 
-  static std::string quote(std::string_view s) {
-    std::string out = "\"";
-    for (const char c : s) {
-      if (c == '"' || c == '\\') {
-        out += '\\';
-        out += c;
-      } else if (static_cast<unsigned char>(c) < 0x20) {
-        char escaped[8];
-        std::snprintf(escaped, sizeof escaped, "\\u%04x", static_cast<unsigned>(c));
-        out += escaped;
-      } else {
-        out += c;
-      }
-    }
-    return out + "\"";
-  }
+  static std::string quote(std::string_view s) { return detail::json_quote(s); }
 
   std::vector<std::string> events_;
 };
