@@ -12,8 +12,10 @@
 //   ./run bench fragmentation --simulated   # no GPU: an 80 GiB simulated device, seconds
 //
 // Rows: "cold" is an allocator's first run (each experiment starts from an empty allocator:
-// its cache is emptied in between); "warm" runs both experiments again on the same object
-// without emptying it (the steady state of a long-running program). Peers: cudaMalloc,
+// its cache is emptied before each); "warm" runs both experiments again on the same object
+// without emptying it, starting with what the cold mixed trace left cached (the steady state
+// of a long-running program). Under each vm_pool row: the driver work of each experiment
+// (compactions, cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap calls). Peers: cudaMalloc,
 // cudaMallocAsync (the device's default pool, release threshold UINT64_MAX, trimmed between),
 // cub::CachingDeviceAllocator(8, 3, 22, 64 GiB) (FreeAllCached between), thrust's
 // disjoint_unsynchronized_pool_resource (release() between). Stream-aware allocators run on one
@@ -78,6 +80,8 @@ struct allocator_under_test {
   std::function<void(void*, std::size_t)> release;
   std::function<void()> empty_cache = [] {};     ///< between experiments of a cold run
   std::function<std::size_t(std::size_t)> footprint = [](std::size_t n) { return n; };
+  /// Driver work done since the last call, printed under each row (vm_pool's call counts).
+  std::function<std::string()> counters = [] { return std::string{}; };
 };
 
 double seconds_since(clock_type::time_point start) {
@@ -102,19 +106,44 @@ void print_row(const std::string& name, const char* run, const fragmentation_res
 }
 
 /// Runs swiss cheese then the mixed trace; `free_at_start` is the mixed trace's denominator
-/// and scale. A cold run empties the allocator's cache before the mixed trace.
+/// and scale. A cold run starts each experiment from an empty allocator (it empties the cache
+/// before each); it leaves what the mixed trace cached in place, so that the warm run after it
+/// starts with the memory a long-running program's allocator would hold.
 void run(allocator_under_test& a, const char* label, std::size_t free_at_start, bool cold) {
   const auto start = clock_type::now();
+  if (cold) {
+    a.empty_cache();
+  }
   const fragmentation_result swiss =
       swiss_cheese(a.alloc, a.release, 64 * MiB, 128 * MiB, a.footprint);
+  const std::string swiss_counters = a.counters();
   if (cold) {
     a.empty_cache();
   }
+  static_cast<void>(a.counters());  // the cache's release is not part of either experiment
   const fragmentation_result mix = mixed(mixed_spec_gpu_for(free_at_start), a.alloc, a.release);
-  if (cold) {
-    a.empty_cache();
-  }
+  const std::string mixed_counters = a.counters();
   print_row(a.name, label, swiss, mix, seconds_since(start));
+  if (!swiss_counters.empty()) {
+    std::printf("    swiss: %s\n    mixed: %s\n", swiss_counters.c_str(), mixed_counters.c_str());
+    std::fflush(stdout);
+  }
+}
+
+/// vm_pool's driver work since the previous call: compactions, and the calls that cost.
+std::function<std::string()> vm_counters(const cudamem::vm_pool_resource& vm) {
+  auto last = std::make_shared<cudamem::vm_resource_stats>(vm.vm_stats());
+  return [&vm, last] {
+    const cudamem::vm_resource_stats now = vm.vm_stats();
+    char line[256];
+    std::snprintf(line, sizeof line,
+                  "%zu compactions, %zu handles created, %zu maps, %zu set_access, %zu unmaps",
+                  now.compactions - last->compactions, now.handles_created - last->handles_created,
+                  now.maps - last->maps, now.access_calls - last->access_calls,
+                  now.unmaps - last->unmaps);
+    *last = now;
+    return std::string{line};
+  };
 }
 
 template <class F>
@@ -318,6 +347,7 @@ void run_simulated() {
     const auto vm = make_vm();
     allocator_under_test a = from_resource("cudamem vm_pool", *vm, nullptr);
     a.empty_cache = [&] { vm->release(); };
+    a.counters = vm_counters(*vm);
     run(a, "cold", capacity, true);
     run(a, "warm", capacity, false);
     print_vm_stats(*vm, "  ");
@@ -458,6 +488,7 @@ int main(int argc, char** argv) {
     cudamem::vm_pool_resource vm{std::move(layer)};
     allocator_under_test a = from_resource("cudamem vm_pool", vm, stream);
     a.empty_cache = [&] { vm.release(); };
+    a.counters = vm_counters(vm);
     run(a, "cold", free, true);
     run(a, "warm", free, false);
     print_vm_stats(vm, "  ");

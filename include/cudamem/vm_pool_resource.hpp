@@ -77,6 +77,9 @@ struct vm_pool_options {
   std::size_t growth_bytes = std::size_t{256} << 20;
   /// Size of each virtual reservation; 0: four times the device's memory.
   std::size_t reserve_bytes = 0;
+  /// Reservations held before stale aliases are unmapped (vm_resource_options::
+  /// reservations_before_sweep).
+  std::size_t reservations_before_sweep = 8;
   /// Most physical bytes it may hold; nullopt: as much as the device gives.
   std::optional<std::size_t> physical_limit;
   /// Other devices that get read-write access to its memory.
@@ -147,6 +150,7 @@ class vm_pool_resource final : public memory_resource {
     v.handle_bytes = o.handle_bytes;
     v.growth_bytes = o.growth_bytes;
     v.reserve_bytes = o.reserve_bytes;
+    v.reservations_before_sweep = o.reservations_before_sweep;
     v.physical_limit = o.physical_limit;
     v.peers = o.peers;
     return v;

@@ -33,15 +33,17 @@
 //   physical memory created for what is still missing; when the device has none, the request
 //   fails with `out_of_memory`. (Recycling first keeps the footprint at what is in use.)
 // - The old address of a recycled handle is retired and stays mapped, as a *stale alias*,
-//   until release(), destruction, or the next time address space runs out: so no cuMemUnmap
-//   (17-31 µs each, and unsafe while a kernel may read) is ever on the allocation path.
+//   until release() or destruction: so no cuMemUnmap (17-31 µs each, and unsafe while a kernel
+//   may read) is on the allocation path. When the active reservation is used up, another is
+//   reserved; only past `reservations_before_sweep` of them are the stale aliases unmapped
+//   (after a host wait) so their address space can be used again.
 //
 // Contract (memory_resource.hpp's, plus)
 // - Construction: `vm_resource(device, options)` throws `no_device_error` with no device,
 //   `std::out_of_range` for a device or peer that does not exist, `vm_not_supported_error` on a
 //   device without VMM (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 0),
 //   `std::invalid_argument` for bad options (a peer that cannot reach the device, the device
-//   itself as a peer, handle_bytes 0). The second constructor takes any mapping layer (tests
+//   itself as a peer, handle_bytes 0, reservations_before_sweep 0). The second constructor takes any mapping layer (tests
 //   pass `detail::simulated_vm_mapping`: no GPU needed). Each vm_resource maps on its own
 //   device; `peers` get read-write access to everything it maps.
 // - Blocks are granule multiples, whole handles from `handle_bytes` up (a request is rounded up;
@@ -103,6 +105,12 @@ struct vm_resource_options {
   std::size_t growth_bytes = std::size_t{256} << 20;
   /// Size of each virtual reservation; 0: four times the device's memory.
   std::size_t reserve_bytes = 0;
+  /// Reservations it may hold before running out of address space makes it unmap its stale
+  /// aliases (a host wait, then one cuMemUnmap per alias, ~20 µs each, on the allocation path)
+  /// rather than reserve another range (one cuMemAddressReserve, ~80 µs). The default, 8
+  /// reservations of four times the device, is 4.4 TiB of address space for a 139 GiB device:
+  /// far below the 128 TiB a process has, and enough that the bench's traces never sweep.
+  std::size_t reservations_before_sweep = 8;
   /// Most physical bytes it may hold; nullopt: as much as the device gives.
   std::optional<std::size_t> physical_limit;
   /// Other devices that get read-write access to its memory.
@@ -152,6 +160,10 @@ class vm_resource final : public memory_resource {
     }
     if (options_.handle_bytes == 0) {
       throw std::invalid_argument("cudamem::vm_resource: handle_bytes must not be 0");
+    }
+    if (options_.reservations_before_sweep == 0) {
+      throw std::invalid_argument(
+          "cudamem::vm_resource: reservations_before_sweep must not be 0");
     }
     granule_ = layer_->granularity();
     handle_ = round_up(options_.handle_bytes, granule_);
@@ -616,8 +628,11 @@ class vm_resource final : public memory_resource {
     // Room for the worst case: everything recycled plus everything missing, at the frontier.
     if (frontier_ == 0 || frontier_end_ - frontier_ < needed + recyclable) {
       std::size_t all = recyclable_total(false);
-      if (!stale_.empty()) {
-        wait_and_unmap_stale();  // address space is cheap, but not endless
+      drop_empty_reservations();
+      if (!stale_.empty() && reservations_.size() >= options_.reservations_before_sweep) {
+        // Address space is cheap, but not endless: past the limit, the stale aliases go
+        // (a host wait and one cuMemUnmap each). Below it, a fresh reservation is cheaper.
+        wait_and_unmap_stale();
         drop_empty_reservations();
       }
       if (frontier_ == 0 || frontier_end_ - frontier_ < needed + all) {

@@ -348,9 +348,52 @@ TEST_CASE("vm_resource: a device that says full leaks nothing, and memory coming
   CHECK(fresh.layer.violations == 0);
 }
 
-TEST_CASE("vm_resource: running out of address space sweeps stale aliases first") {
+/// Six rounds of: 8 x 32 MiB, free every other one, 128 MiB (a compaction each round).
+static void compact_six_times(sim_vm& s) {
+  for (int round = 0; round < 6; ++round) {
+    std::vector<void*> blocks;
+    for (int i = 0; i < 8; ++i) {
+      blocks.push_back(s.vm.allocate(32 * MiB));
+    }
+    for (int i = 0; i < 8; i += 2) {
+      s.vm.deallocate(blocks[static_cast<std::size_t>(i)], 32 * MiB);
+    }
+    void* big = s.vm.allocate(128 * MiB);
+    REQUIRE(s.layer.is_accessible(addr(big), 128 * MiB));
+    s.vm.deallocate(big, 128 * MiB);
+    for (int i = 1; i < 8; i += 2) {
+      s.vm.deallocate(blocks[static_cast<std::size_t>(i)], 32 * MiB);
+    }
+  }
+}
+
+TEST_CASE("vm_resource: running out of address space reserves more, never unmaps, up to a limit") {
   vm_resource_options o = handles_of(32 * MiB);
   o.reserve_bytes = 512 * MiB;  // small, so compactions use it up
+  sim_vm s{256 * MiB, o};
+  compact_six_times(s);
+  const vm_resource_stats st = s.vm.vm_stats();
+  CHECK(st.compactions == 6);
+  CHECK(st.unmaps == 0);                  // no cuMemUnmap on the allocation path
+  CHECK(s.layer.calls.unmap == 0);
+  CHECK(st.stale_aliases > 0);
+  CHECK(st.reserved_virtual_bytes > 512 * MiB);  // more address space instead
+  CHECK(st.reserved_virtual_bytes <= 8 * 512 * MiB);
+  s.vm.release();  // the aliases go now
+  CHECK(s.vm.vm_stats().stale_aliases == 0);
+  CHECK(s.layer.violations == 0);
+}
+
+TEST_CASE("vm_resource: reservations_before_sweep 0 is refused") {
+  vm_resource_options o;
+  o.reservations_before_sweep = 0;
+  CHECK_THROWS_AS(vm_resource(std::make_unique<simulated_vm_mapping>(), o), std::invalid_argument);
+}
+
+TEST_CASE("vm_resource: running out of address space sweeps stale aliases past the limit") {
+  vm_resource_options o = handles_of(32 * MiB);
+  o.reserve_bytes = 512 * MiB;  // small, so compactions use it up
+  o.reservations_before_sweep = 1;
   sim_vm s{256 * MiB, o};
   for (int round = 0; round < 6; ++round) {
     std::vector<void*> blocks;
