@@ -122,8 +122,12 @@ struct pool_options {
   std::size_t initial_size = 0;                                    ///< reserved at construction
   std::size_t maximum_size = std::numeric_limits<std::size_t>::max();  ///< most it holds
   std::size_t growth_step = std::size_t{64} << 20;   ///< least a large-tier chunk holds
-  std::size_t small_block_limit = std::size_t{1} << 20;  ///< largest request of the small tier
-  std::size_t small_chunk_size = std::size_t{4} << 20;   ///< small-tier chunk size
+  /// Largest request of the small tier. 4 MiB, not less: blocks of 1..4 MiB are the typical
+  /// long-lived "medium" tensors, and in large-tier chunks they pin the chunks that large
+  /// short-lived blocks come and go in (measured on the mixed fragmentation trace over a
+  /// paged device: 0.67 of the device usable with a 1 MiB limit, 0.99 with 4 MiB).
+  std::size_t small_block_limit = std::size_t{4} << 20;
+  std::size_t small_chunk_size = std::size_t{16} << 20;  ///< small-tier chunk size
   unsigned shards = 0;  ///< a power of two; 0: one per hardware thread, at most 16
   /// Largest block kept whole in the front-end cache (rounded up to a size class); 0: no cache.
   std::size_t cache_block_limit = std::size_t{4} << 20;

@@ -87,13 +87,27 @@ TEST_CASE("mixed trace on 80 GiB: the pool over a paged device beats first fit")
   CHECK(paged.used_bytes() == 0);
 
   // The pool over a first-fit device: its chunks themselves are placed first fit, so it
-  // cannot beat ideal first fit at 256 B grain over the whole device; it stays close.
+  // cannot beat ideal first fit at 256 B grain over the whole device; it stays within 6%
+  // (0.919 vs 0.968 with 16 MiB small chunks). Real devices are paged (above), not first fit.
   simulated_resource device;
   {
     pool_resource pool{device};
     const auto pooled = mixed(spec, allocator_of(pool), releaser_of(pool));
     print("mixed", "pool", pooled);
-    CHECK(pooled.ratio >= 0.95 * first_fit.ratio);
+    CHECK(pooled.ratio >= 0.94 * first_fit.ratio);
   }
   CHECK(device.used_bytes() == 0);
+}
+
+TEST_CASE("mixed trace with long-lived 1..4 MiB blocks: the pool keeps them out of large chunks") {
+  // The GPU bench's variant: long-lived blocks up to 4 MiB. In large-tier chunks they would pin
+  // the chunks large blocks come and go in (0.67 of the device with a 1 MiB small-tier limit).
+  simulated_resource paged{{.capacity = capacity, .layout = simulated_layout::paged}};
+  {
+    pool_resource pool{paged};
+    const auto pooled = mixed(mixed_spec_gpu_for(capacity), allocator_of(pool), releaser_of(pool));
+    print("mixed_gpu", "pool/paged", pooled);
+    CHECK(pooled.ratio >= 0.97);
+  }
+  CHECK(paged.used_bytes() == 0);
 }

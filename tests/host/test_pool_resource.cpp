@@ -309,7 +309,7 @@ TEST_CASE("pool over an 80 GiB simulated device: random model test") {
 TEST_CASE("pool over host memory: random model test writing every block") {
   host_resource host;
   {
-    pool_resource pool{host, {.growth_step = 8 * MiB, .small_chunk_size = 2 * MiB}};
+    pool_resource pool{host, {.growth_step = 8 * MiB, .small_block_limit = 1 * MiB, .small_chunk_size = 2 * MiB}};
     random_model_run(pool, true, 4 * MiB, 12, 20000);
     CHECK(pool.release() > 0);
     CHECK(pool.stats().reserved_bytes == 0);
@@ -540,7 +540,7 @@ TEST_CASE("pool: an upstream failing at any point leaks nothing") {
     flaky_upstream upstream;
     upstream.fail_from = fail_at;
     {
-      pool_resource pool{upstream, {.growth_step = 4 * MiB, .small_chunk_size = 2 * MiB, .shards = 1}};
+      pool_resource pool{upstream, {.growth_step = 4 * MiB, .small_block_limit = 1 * MiB, .small_chunk_size = 2 * MiB, .shards = 1}};
       std::vector<std::pair<void*, std::size_t>> blocks;
       try {
         for (std::size_t n : {100 * std::size_t{1024}, 3 * MiB, 5 * MiB, 512 * std::size_t{1}, 9 * MiB}) {
@@ -582,7 +582,7 @@ TEST_CASE("pool without its cache: random model test with exact sizes") {
 TEST_CASE("pool cache: a freed block is reused whole by a request of about its size") {
   simulated_resource device;
   cudamem_test::captured_errors errors;
-  pool_resource pool{device, {.shards = 1}};
+  pool_resource pool{device, {.small_block_limit = 1 * MiB, .small_chunk_size = 4 * MiB, .shards = 1}};
   void* p = pool.allocate(100000);  // 100096 bytes
   pool.deallocate(p, 100000);
   resource_stats s = pool.stats();
@@ -612,7 +612,8 @@ TEST_CASE("pool cache: a freed block is reused whole by a request of about its s
 
 TEST_CASE("pool cache: cached blocks merge when the heap has no room, and before release") {
   simulated_resource device;
-  pool_resource pool{device, {.maximum_size = 4 * MiB, .shards = 1}};
+  pool_resource pool{
+      device, {.maximum_size = 4 * MiB, .small_block_limit = 1 * MiB, .small_chunk_size = 4 * MiB, .shards = 1}};
   std::vector<void*> blocks;
   for (int i = 0; i < 8; ++i) {
     blocks.push_back(pool.allocate(512 * 1024));  // fills the one 4 MiB small chunk
@@ -644,7 +645,8 @@ TEST_CASE("pool cache: cached blocks merge when the heap has no room, and before
 
 TEST_CASE("pool cache: a request the heap cannot serve flushes only what it needs") {
   simulated_resource device;
-  pool_resource pool{device, {.maximum_size = 4 * MiB, .shards = 1}};
+  pool_resource pool{
+      device, {.maximum_size = 4 * MiB, .small_block_limit = 1 * MiB, .small_chunk_size = 4 * MiB, .shards = 1}};
   std::vector<void*> blocks;
   for (int i = 0; i < 8; ++i) {
     blocks.push_back(pool.allocate(512 * 1024));  // fills the one 4 MiB small chunk, in order
@@ -672,7 +674,8 @@ TEST_CASE("pool cache: a request the heap cannot serve flushes only what it need
 
 TEST_CASE("pool cache: its byte bound holds") {
   simulated_resource device;
-  pool_resource pool{device, {.shards = 1, .cache_bytes = MiB}};
+  pool_resource pool{device, {.small_block_limit = 1 * MiB, .small_chunk_size = 4 * MiB,
+                              .shards = 1, .cache_bytes = MiB}};
   std::vector<void*> blocks;
   for (int i = 0; i < 4; ++i) {
     blocks.push_back(pool.allocate(512 * 1024));
