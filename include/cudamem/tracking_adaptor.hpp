@@ -22,7 +22,9 @@
 //   thread, and, with `tracking_options::timestamps`, the time since the adaptor was made.
 //   Time is opt-in because it is the one item that costs: reading even the CPU's tick counter
 //   takes 5-15 ns, as much as the rest of the record together.
-// - `leaks()` lists the live allocations, oldest first, with their total; its `to_text()` is
+// - `leaks()` lists the live allocations, oldest first within each thread (sequence numbers
+//   count per thread, so two threads' allocations are ordered by their own counts), with
+//   their total; its `to_text()` is
 //   the readable form. At destruction each live allocation is reported through the error
 //   handler (`report_problem`, location = the allocation's call site); nothing is thrown and
 //   the leaked memory is left alone (it may still be in use: freeing it could corrupt).
@@ -38,11 +40,19 @@
 //   `bad_frees()` counts them.
 // - Thread-safe: the record is split into 16 shards by pointer, each with its own lock, so
 //   threads freeing different pointers rarely wait for each other; the upstream is called
-//   outside every lock. Sequence numbers are unique and follow the order of allocation.
+//   outside every lock. Sequence numbers follow the order of allocation within a thread.
+// - stats(): `used_bytes` is exact (the shards' counts added up). `peak_used_bytes` is
+//   recomputed (the shards added up) whenever an allocation takes its shard past the shard's
+//   own most, and at every stats() call: exact for one thread whenever the peak is reached
+//   by growing (a pair trace, a build-up then tear-down); with several threads allocating at
+//   that moment it may miss bytes another thread was adding, and it can be below the true
+//   peak when a shard that once held more is refilled after others grew. It never exceeds
+//   the true peak. (An exact peak needs one counter every thread writes: the cost removed.)
 // - Cost (per request, on top of the upstream): one shard lock, one or two cache lines of an
-//   open-addressing table, two relaxed atomic adds per allocation and one per free, and the
-//   CPU's tick counter if timestamps are on (turned into time only for a report). No
-//   host memory is allocated per request: a shard's table grows by doubling, and that is all.
+//   open-addressing table, and the CPU's tick counter if timestamps are on (turned into time
+//   only for a report). No other atomic instruction: bytes in use are counted per shard under
+//   its lock, sequence numbers per thread. No host memory is allocated per request: a
+//   shard's table grows by doubling, and that is all.
 #pragma once
 
 #include <cudamem/detail/adaptor_base.hpp>
@@ -80,7 +90,7 @@ struct allocation_record {
   std::thread::id thread;
   std::optional<std::chrono::nanoseconds> time;  ///< since the adaptor was made, when it
                                                  ///< records timestamps
-  std::uint64_t sequence = 0;        ///< 0, 1, 2... in the order the allocations were made
+  std::uint64_t sequence = 0;  ///< 0, 1, 2... in the order this thread made its allocations
 
   /// "1.00 MiB at 0x... (alignment 256) allocated at file:line in `function`, stream 0x...,
   /// thread ..." and, with a time, ", 1.234 ms after the adaptor was made".
@@ -157,7 +167,7 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
   tracking_adaptor(const tracking_adaptor&) = delete;
   tracking_adaptor& operator=(const tracking_adaptor&) = delete;
 
-  /// The allocations live now, oldest first.
+  /// The allocations live now, oldest first (within a thread; see the contract).
   [[nodiscard]] leak_report leaks() const {
     leak_report report;
     report.resource = "tracking_adaptor";
@@ -172,7 +182,8 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
     }
     std::sort(report.leaks.begin(), report.leaks.end(),
               [](const allocation_record& a, const allocation_record& b) {
-                return a.sequence < b.sequence;
+                return a.sequence != b.sequence ? a.sequence < b.sequence
+                                                : a.pointer < b.pointer;  // a stable order
               });
     for (const allocation_record& r : report.leaks) {
       report.total_bytes += r.bytes;
@@ -238,22 +249,24 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
     }
     const std::thread::id thread = std::this_thread::get_id();
     const std::uint64_t ticks = timestamps_ ? detail::read_ticks() : 0;
-    const std::uint64_t sequence = next_sequence_.fetch_add(1, std::memory_order_relaxed);
+    const std::uint64_t sequence = detail::next_allocation_sequence();
     const auto alignment_log2 = static_cast<std::uint8_t>(std::countr_zero(alignment));
 
     std::unique_ptr<detail::tracked_allocation> displaced;  // an upstream bug's evidence
-    std::size_t displaced_bytes = 0;
     bool was_live = false;
+    bool shard_at_new_peak = false;
     detail::allocation_shard& shard = table_.shard_for(p);
     try {
       const std::lock_guard lock(shard.mutex());
       detail::tracked_allocation& entry = shard.add(p, bytes, alignment_log2, was_live);
       if (was_live) [[unlikely]] {
-        displaced_bytes = entry.bytes;
+        shard_at_new_peak = shard.count_allocation(bytes, entry.bytes);
         displaced = copy_of(entry);
         entry.pointer = p;
         entry.bytes = bytes;
         entry.alignment_log2 = alignment_log2;
+      } else {
+        shard_at_new_peak = shard.count_allocation(bytes);
       }
       entry.stream = stream ? stream->get() : nullptr;
       entry.site = site;
@@ -265,10 +278,10 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
       forward_deallocate(p, bytes, alignment, stream);
       throw;
     }
-    const std::size_t used = used_bytes_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
-    detail::raise_to(peak_used_bytes_, used);
+    if (shard_at_new_peak) [[unlikely]] {  // only then can the total be at a new peak
+      raise_peak();
+    }
     if (was_live) [[unlikely]] {  // the upstream handed out a live pointer twice: its bug
-      used_bytes_.fetch_sub(displaced_bytes, std::memory_order_relaxed);
       report_displaced(p, displaced.get());
     }
     return p;
@@ -276,6 +289,19 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
 
   // The cold paths live in functions of their own (never inlined), so that the hot paths
   // stay small: no message building, no 64-byte record on their stack frames.
+
+  /// The bytes in use: the shards' counts added up (relaxed loads, no locks).
+  [[nodiscard]] std::size_t sum_used_bytes() const noexcept {
+    std::size_t used = 0;
+    for (std::size_t i = 0; i < detail::allocation_table::shard_count; ++i) {
+      used += table_.shard(i).used_bytes();
+    }
+    return used;
+  }
+
+  [[gnu::noinline]] void raise_peak() const noexcept {
+    detail::raise_to(peak_used_bytes_, sum_used_bytes());
+  }
 
   /// A heap copy of `entry`, or nullptr if there is no memory for one.
   [[gnu::noinline]] static std::unique_ptr<detail::tracked_allocation> copy_of(
@@ -314,7 +340,6 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
       found = shard.release(p, bytes, alignment_log2);
     }
     if (found == release_result::freed) [[likely]] {
-      used_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
       forward_deallocate(p, bytes, alignment, stream);
       return;
     }
@@ -399,23 +424,23 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
   std::string_view do_name() const noexcept override { return "tracking_adaptor"; }
   resource_stats do_stats() const override {
     resource_stats s;
-    s.reserved_bytes = s.used_bytes = used_bytes_.load(std::memory_order_relaxed);
-    s.peak_used_bytes = peak_used_bytes_.load(std::memory_order_relaxed);
+    s.reserved_bytes = s.used_bytes = sum_used_bytes();
+    detail::raise_to(peak_used_bytes_, s.used_bytes);
+    s.peak_used_bytes = std::max(s.used_bytes, peak_used_bytes_.load(std::memory_order_relaxed));
     return s;
   }
 
   // Speed: the record is sharded by pointer (detail::allocation_table), so an allocate or a
   // free takes one shard's lock and touches one or two of its cache lines; no host memory is
-  // allocated per request (a shard's table only grows, by doubling). Besides the shard lock,
-  // an allocation costs two relaxed atomic adds (its sequence number, the bytes in use) and a
-  // free one; the timestamp is the CPU's tick counter, not a clock call.
+  // allocated per request (a shard's table only grows, by doubling). The shard lock is the
+  // only atomic instruction: bytes in use are counted per shard under it, sequence numbers
+  // per thread, and the peak is written only when a shard reaches a new most of its own;
+  // the timestamp is the CPU's tick counter, not a clock call.
   bool timestamps_;
   detail::tick_calibration clock_;  // construction time, in both clocks
-  detail::allocation_table table_;   // the live allocations and recent frees
-  // Written by every allocating thread: kept off the line of the read-only members above.
-  alignas(64) std::atomic<std::uint64_t> next_sequence_{0};
-  std::atomic<std::size_t> used_bytes_{0};
-  std::atomic<std::size_t> peak_used_bytes_{0};
+  detail::allocation_table table_;   // the live allocations, recent frees, bytes in use
+  // Written rarely (a new peak, a bad free): kept off the line of the members above anyway.
+  alignas(64) mutable std::atomic<std::size_t> peak_used_bytes_{0};
   mutable std::atomic<std::size_t> bad_frees_{0};
 };
 

@@ -6,7 +6,8 @@
 //   detail::allocation_shard& shard = table.shard_for(p);
 //   const std::lock_guard lock(shard.mutex());
 //   tracked_allocation& r = shard.add(p, bytes, alignment_log2, was_live);  // fill in the rest
-//   shard.release(p, bytes, alignment_log2, found)   // freed / size_mismatch / double_free...
+//   shard.release(p, bytes, alignment_log2)   // freed / size_mismatch / double_free...
+//   shard.used_bytes()                        // this shard's share of the bytes in use
 //
 // What is in here, and why each is shaped the way it is:
 // - Each shard's lock is a `spin_lock` (detail/spin_lock.hpp): it is held for a few dozen
@@ -23,6 +24,10 @@
 //   are remembered exactly where a second free will look. Arrays grow by doubling, the only
 //   host allocation (amortised, never per request); a free checks and removes a pointer
 //   touching one cache line of keys, which is what keeps large live sets fast.
+// - Bytes in use are counted per shard, under the lock the shard already holds: a plain
+//   add, not an atomic one on a line every thread writes. Readers add the shards up.
+// - `next_allocation_sequence()`: a per-thread counter, for ordering records without a
+//   global atomic (order is exact within a thread; see tracked_allocation::sequence).
 #pragma once
 
 #include <cudamem/detail/spin_lock.hpp>
@@ -91,6 +96,13 @@ class tick_calibration {
   std::uint64_t start_ticks_;
 };
 
+/// The next sequence number for an allocation made on this thread: 0, 1, 2... per thread,
+/// shared by every tracking adaptor. A plain thread-local increment: no atomic, no shared line.
+inline std::uint64_t next_allocation_sequence() noexcept {
+  static thread_local std::uint64_t next = 0;
+  return next++;
+}
+
 /// One live (or recently freed) allocation, as the tracking adaptor keeps it: one cache line
 /// exactly, so a lookup that finds its entry touches one line.
 struct alignas(64) tracked_allocation {
@@ -100,7 +112,7 @@ struct alignas(64) tracked_allocation {
   std::source_location site;
   std::thread::id thread;
   std::uint64_t ticks = 0;     ///< read_ticks() when it was made (0: not timed)
-  std::uint64_t sequence = 0;  ///< the adaptor's allocation counter
+  std::uint64_t sequence = 0;  ///< next_allocation_sequence(): orders one thread's allocations
   std::uint8_t alignment_log2 = 0;
   bool synchronous = true;
 
@@ -141,6 +153,27 @@ class alignas(64) allocation_shard {
   spin_lock& mutex() noexcept { return mutex_; }
 
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
+
+  /// The bytes of this shard's live allocations. May be read without the lock (a relaxed
+  /// load: a report, not a decision); only written under it.
+  [[nodiscard]] std::size_t used_bytes() const noexcept {
+    return used_bytes_.load(std::memory_order_relaxed);
+  }
+
+  /// Counts `added` bytes in and `removed` out (a live pointer handed out again replaces its
+  /// old bytes). Call with the lock held. True if the shard holds more bytes than it ever
+  /// has: only then can the adaptor's total be at a new peak (see tracking_adaptor's stats).
+  bool count_allocation(std::size_t added, std::size_t removed = 0) noexcept {
+    // Load and store, not fetch_add: the lock already orders the writers, so no locked
+    // instruction is needed; the atomic is only there for lock-free readers.
+    const std::size_t used = used_bytes_.load(std::memory_order_relaxed) + added - removed;
+    used_bytes_.store(used, std::memory_order_relaxed);
+    if (used > peak_used_bytes_) [[unlikely]] {
+      peak_used_bytes_ = used;
+      return true;
+    }
+    return false;
+  }
 
   /// The live record of `p`, or nullptr.
   [[nodiscard]] tracked_allocation* find(const void* p) noexcept {
@@ -197,22 +230,22 @@ class alignas(64) allocation_shard {
     }
     remember_free(key->record);
     erase(key);
+    used_bytes_.store(used_bytes_.load(std::memory_order_relaxed) - bytes,
+                      std::memory_order_relaxed);  // under the lock: see count_allocation
     return release_result::freed;
   }
 
   /// The most recent remembered free of `p`, or nullptr. Linear, but only bad frees ask.
   [[nodiscard]] const tracked_allocation* find_recent_free(const void* p) const noexcept {
-    const tracked_allocation* latest = nullptr;
-    for (const std::uint32_t index : recent_frees_) {
-      if (index == no_record) {
-        continue;
-      }
-      const tracked_allocation& record = records_[index];
-      if (record.pointer == p && (latest == nullptr || record.sequence > latest->sequence)) {
-        latest = &record;
+    // Newest first: the ring's order is the shard's order of frees (sequence numbers are
+    // per thread, so they cannot tell which of two threads' frees came last).
+    for (std::size_t back = 1; back <= remembered_frees; ++back) {
+      const std::uint32_t index = recent_frees_[(next_recent_free_ - back) % remembered_frees];
+      if (index != no_record && records_[index].pointer == p) {
+        return &records_[index];
       }
     }
-    return latest;
+    return nullptr;
   }
 
   /// Calls `visit(record)` for every live allocation.
@@ -332,6 +365,8 @@ class alignas(64) allocation_shard {
   std::vector<std::uint32_t> reusable_;      // record slots free for new allocations
   std::array<std::uint32_t, remembered_frees> recent_frees_ = filled_with_no_record();
   std::size_t next_recent_free_ = 0;
+  std::atomic<std::size_t> used_bytes_{0};  // written under the lock only (count_allocation)
+  std::size_t peak_used_bytes_ = 0;         // this shard's own most
 
   static constexpr std::array<std::uint32_t, remembered_frees> filled_with_no_record() {
     std::array<std::uint32_t, remembered_frees> ring{};
