@@ -512,3 +512,77 @@ TEST_CASE("tracking under other adaptors still names the user's line") {
   CHECK(counted.counters().allocations == 1);
   CHECK(errors.messages().empty());
 }
+
+TEST_CASE("bytes in use and the peak are exact for one thread, with no global counter") {
+  // The bytes are counted per shard; the peak is summed over the shards when one reaches a
+  // new most of its own. A rolling pair (allocate the next, free the previous) of varied
+  // sizes spreads over many shards: adding up each shard's own peak would overshoot.
+  host_resource host;
+  tracking_adaptor tracked{host};
+  void* previous = nullptr;
+  std::size_t previous_bytes = 0;
+  std::size_t expected_peak = 0;
+  for (std::size_t i = 0; i < 400; ++i) {
+    const std::size_t bytes = 1000 + 16 * (i % 37);
+    void* p = tracked.allocate(bytes, 16);
+    expected_peak = std::max(expected_peak, bytes + previous_bytes);  // no stats() in the
+                                                                       // loop: it sums too
+    if (previous != nullptr) {
+      tracked.deallocate(previous, previous_bytes, 16);
+    }
+    previous = p;
+    previous_bytes = bytes;
+  }
+  CHECK(tracked.stats().peak_used_bytes == expected_peak);
+  tracked.deallocate(previous, previous_bytes, 16);
+  CHECK(tracked.stats().used_bytes == 0);
+
+  // A build-up past the old peak, without stats() in between, is seen by the shards alone.
+  std::vector<void*> built;
+  for (int i = 0; i < 100; ++i) {
+    built.push_back(tracked.allocate(4096, 16));
+  }
+  for (void* p : built) {
+    tracked.deallocate(p, 4096, 16);
+  }
+  CHECK(tracked.stats().used_bytes == 0);
+  CHECK(tracked.stats().peak_used_bytes == 100 * 4096);
+}
+
+TEST_CASE("leaks are oldest first within each thread") {
+  host_resource host;
+  tracking_adaptor tracked{host};
+  constexpr int threads = 3;
+  constexpr int per_thread = 50;
+  std::vector<std::vector<void*>> made(threads);
+  std::vector<std::thread::id> ids(threads);
+  std::vector<std::thread> workers;
+  for (int t = 0; t < threads; ++t) {
+    workers.emplace_back([&, t] {
+      ids[static_cast<std::size_t>(t)] = std::this_thread::get_id();
+      for (int i = 0; i < per_thread; ++i) {
+        made[static_cast<std::size_t>(t)].push_back(tracked.allocate(64 + 8 * t, 8));
+      }
+    });
+  }
+  for (auto& w : workers) {
+    w.join();
+  }
+  const leak_report report = tracked.leaks();
+  REQUIRE(report.leaks.size() == threads * per_thread);
+  for (int t = 0; t < threads; ++t) {
+    std::vector<void*> seen;
+    for (const allocation_record& r : report.leaks) {
+      if (r.thread == ids[static_cast<std::size_t>(t)]) {
+        seen.push_back(r.pointer);
+      }
+    }
+    CHECK(seen == made[static_cast<std::size_t>(t)]);  // in the order this thread made them
+  }
+  for (int t = 0; t < threads; ++t) {
+    for (void* p : made[static_cast<std::size_t>(t)]) {
+      tracked.deallocate(p, 64 + 8 * static_cast<std::size_t>(t), 8);
+    }
+  }
+  CHECK(tracked.live_count() == 0);
+}
