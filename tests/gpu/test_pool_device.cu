@@ -150,28 +150,13 @@ TEST_CASE("stream order: the same stream reuses a block at once; the sync form w
   pool.deallocate(host_ready, bytes);
 }
 
-TEST_CASE("stream order: retire_stream lets the freeing stream be destroyed first") {
-  device_resource device;
-  pool_resource pool{device, {.shards = 1}};
-  stream b{{.non_blocking = true}};
-  const std::size_t bytes = race_elements * sizeof(unsigned);
-  unsigned* p = nullptr;
-  {
-    stream a{{.non_blocking = true}};
-    p = static_cast<unsigned*>(pool.allocate(bytes, 256, a));
-    slow_fill<<<1, 256, 0, a.get()>>>(p, race_elements, 0xAAAAAAAAU, race_spin);
-    pool.deallocate(p, bytes, 256, a);
-    pool.retire_stream(a);
-  }  // a destroyed while its kernel still runs
-  auto* q = static_cast<unsigned*>(pool.allocate(bytes, 256, b));
-  REQUIRE(q == p);
-  fast_fill<<<256, 256, 0, b.get()>>>(q, race_elements, 0xBBBBBBBBU);
-  check(cudaDeviceSynchronize());
-  CHECK(count_not(q, race_elements, 0xBBBBBBBBU) == 0);
-  pool.deallocate(q, bytes, 256, b);
-}
+namespace {
 
-TEST_CASE("stream order: a cudamem::stream destroyed before the pool settles up by itself") {
+/// Stream a frees a block while a slow kernel still writes it, then a is destroyed; stream b
+/// must get the same block only after that kernel (its pattern must be the only one left).
+/// `retire_first` calls retire_stream before a's destruction; otherwise the stream itself
+/// tells the pool (stream_listener).
+void reuse_after_freeing_stream_dies(bool retire_first) {
   cudamem_test::captured_errors errors;
   device_resource device;
   pool_resource pool{device, {.shards = 1}};
@@ -183,7 +168,10 @@ TEST_CASE("stream order: a cudamem::stream destroyed before the pool settles up 
     p = static_cast<unsigned*>(pool.allocate(bytes, 256, a));
     slow_fill<<<1, 256, 0, a.get()>>>(p, race_elements, 0xAAAAAAAAU, race_spin);
     pool.deallocate(p, bytes, 256, a);
-  }  // a destroyed while its kernel still runs, with no retire_stream call
+    if (retire_first) {
+      pool.retire_stream(a);
+    }
+  }  // a destroyed while its kernel still runs
   auto* q = static_cast<unsigned*>(pool.allocate(bytes, 256, b));
   REQUIRE(q == p);
   fast_fill<<<256, 256, 0, b.get()>>>(q, race_elements, 0xBBBBBBBBU);
@@ -191,6 +179,16 @@ TEST_CASE("stream order: a cudamem::stream destroyed before the pool settles up 
   CHECK(count_not(q, race_elements, 0xBBBBBBBBU) == 0);
   pool.deallocate(q, bytes, 256, b);
   CHECK(errors.messages().empty());
+}
+
+}  // namespace
+
+TEST_CASE("stream order: retire_stream lets the freeing stream be destroyed first") {
+  reuse_after_freeing_stream_dies(true);
+}
+
+TEST_CASE("stream order: a cudamem::stream destroyed before the pool settles up by itself") {
+  reuse_after_freeing_stream_dies(false);
 }
 
 // The upstream cudaMalloc fails on purpose (an expected API error for compute-sanitizer).
