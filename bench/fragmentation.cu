@@ -10,6 +10,7 @@
 //
 //   ./run bench fragmentation               # on a GPU: ~2 minutes on an 80 GB H100
 //   ./run bench fragmentation --simulated   # no GPU: an 80 GiB simulated device, seconds
+//   bench_fragmentation --only vm_pool --detail   # one allocator; where its time goes
 //
 // Rows: "cold" is an allocator's first run (each experiment starts from an empty allocator:
 // its cache is emptied before each); "warm" runs both experiments again on the same object
@@ -82,6 +83,10 @@ struct allocator_under_test {
   std::function<std::size_t(std::size_t)> footprint = [](std::size_t n) { return n; };
   /// Driver work done since the last call, printed under each row (vm_pool's call counts).
   std::function<std::string()> counters = [] { return std::string{}; };
+  /// With --detail: the driver calls' time since the last call (vm_pool), and the last two.
+  std::function<std::string(const char*)> driver_detail = [](const char*) { return std::string{}; };
+  std::string swiss_detail;
+  std::string mixed_detail;
 };
 
 double seconds_since(clock_type::time_point start) {
@@ -117,17 +122,38 @@ void run(allocator_under_test& a, const char* label, std::size_t free_at_start, 
   const fragmentation_result swiss =
       swiss_cheese(a.alloc, a.release, 64 * MiB, 128 * MiB, a.footprint);
   const std::string swiss_counters = a.counters();
+  a.swiss_detail = a.driver_detail("swiss");
   if (cold) {
     a.empty_cache();
   }
   static_cast<void>(a.counters());  // the cache's release is not part of either experiment
   const fragmentation_result mix = mixed(mixed_spec_gpu_for(free_at_start), a.alloc, a.release);
   const std::string mixed_counters = a.counters();
+  a.mixed_detail = a.driver_detail("mixed");
   print_row(a.name, label, swiss, mix, seconds_since(start));
   if (!swiss_counters.empty()) {
     std::printf("    swiss: %s\n    mixed: %s\n", swiss_counters.c_str(), mixed_counters.c_str());
-    std::fflush(stdout);
   }
+  if (profile_ops) {
+    const auto detail = [](const char* what, const fragmentation_result& r) {
+      std::printf("    %s: %zu ops, %zu over %.0f us taking %.1f ms of %.1f ms, worst %.0f us", what,
+                  r.ops, r.slow_ops, slow_op_ns / 1e3, r.slow_ns / 1e6,
+                  r.ns_per_op * static_cast<double>(r.ops) / 1e6, r.worst_ns / 1e3);
+      if (!r.phase_ns.empty()) {
+        std::printf("; phases (fill, holes, large, free) ms:");
+        for (double ns : r.phase_ns) {
+          std::printf(" %.1f", ns / 1e6);
+        }
+      }
+      std::printf("\n");
+    };
+    detail("swiss", swiss);
+    detail("mixed", mix);
+    if (!swiss_counters.empty()) {
+      std::printf("    %s\n    %s\n", a.swiss_detail.c_str(), a.mixed_detail.c_str());
+    }
+  }
+  std::fflush(stdout);
 }
 
 /// vm_pool's driver work since the previous call: compactions, and the calls that cost.
@@ -186,9 +212,13 @@ std::size_t cub_bin(std::size_t bytes) {
 /// the bench can say where vm_pool's time goes.
 class timed_mapping final : public cudamem::detail::vm_mapping_layer {
  public:
-  enum call { reserve_call, create_call, map_call, access_call, unmap_call, release_call, call_kinds };
-  static constexpr std::array<const char*, call_kinds> names{"reserve", "create", "map",
-                                                             "set_access", "unmap", "release"};
+  enum call {
+    reserve_call, create_call, map_call, access_call, unmap_call, release_call, record_call,
+    order_call, wait_call, wait_all_call, call_kinds
+  };
+  static constexpr std::array<const char*, call_kinds> names{
+      "reserve", "create", "map", "set_access", "unmap", "release", "record_free",
+      "order_after_free", "wait_for_free", "wait_for_all"};
   std::array<double, call_kinds> ns{};
   std::array<std::size_t, call_kinds> count{};
 
@@ -225,13 +255,39 @@ class timed_mapping final : public cudamem::detail::vm_mapping_layer {
     inner_.set_access(va, bytes);
   }
   void record_free(cudaStream_t s, std::uintptr_t va, std::size_t bytes) override {
+    const stopwatch w{*this, record_call};
     inner_.record_free(s, va, bytes);
   }
   void order_after_free(cudaStream_t user, cudaStream_t freed_on) override {
+    const stopwatch w{*this, order_call};
     inner_.order_after_free(user, freed_on);
   }
-  void wait_for_free(cudaStream_t freed_on) override { inner_.wait_for_free(freed_on); }
-  void wait_for_all_frees() noexcept override { inner_.wait_for_all_frees(); }
+  void wait_for_free(cudaStream_t freed_on) override {
+    const stopwatch w{*this, wait_call};
+    inner_.wait_for_free(freed_on);
+  }
+  void wait_for_all_frees() noexcept override {
+    const stopwatch w{*this, wait_all_call};
+    inner_.wait_for_all_frees();
+  }
+
+  /// The calls since the last delta(): count x mean us (total ms).
+  std::string delta(const char* what) {
+    std::string line = std::string(what) + " driver calls:";
+    for (std::size_t k = 0; k < call_kinds; ++k) {
+      const std::size_t n = count[k] - seen_count_[k];
+      const double t = ns[k] - seen_ns_[k];
+      if (n != 0) {
+        char part[128];
+        std::snprintf(part, sizeof part, " %s %zu x %.1f us (%.1f ms);", names[k], n,
+                      t / 1e3 / static_cast<double>(n), t / 1e6);
+        line += part;
+      }
+    }
+    seen_count_ = count;
+    seen_ns_ = ns;
+    return line;
+  }
 
   void print(const char* indent) const {
     std::printf("%sdriver calls:", indent);
@@ -256,6 +312,8 @@ class timed_mapping final : public cudamem::detail::vm_mapping_layer {
   };
 
   cudamem::detail::driver_vm_mapping inner_;
+  std::array<double, call_kinds> seen_ns_{};
+  std::array<std::size_t, call_kinds> seen_count_{};
 };
 
 void print_vm_stats(const cudamem::vm_pool_resource& vm, const char* indent) {
@@ -363,7 +421,24 @@ void run_simulated() {
 
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress shows even through a pipe
-  const bool simulated = argc > 1 && std::string(argv[1]) == "--simulated";
+  bool simulated = false;
+  std::string only;  // run only the allocators whose name contains this (and no traces)
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--simulated") {
+      simulated = true;
+    } else if (arg == "--detail") {
+      profile_ops = true;
+    } else if (arg == "--only" && i + 1 < argc) {
+      only = argv[++i];
+    } else {
+      std::fprintf(stderr, "usage: bench_fragmentation [--simulated] [--detail] [--only NAME]\n");
+      return 1;
+    }
+  }
+  const auto wanted = [&only](const char* name) {
+    return only.empty() || std::string(name).find(only) != std::string::npos;
+  };
   if (simulated) {
     run_simulated();
     return 0;
@@ -392,7 +467,7 @@ int main(int argc, char** argv) {
     }
   };
 
-  {
+  if (wanted("cudaMalloc")) {
     allocator_under_test a;
     a.name = "cudaMalloc";
     a.alloc = [](std::size_t n) -> void* {
@@ -407,7 +482,7 @@ int main(int argc, char** argv) {
     run(a, "-", device_free_now(), true);
     check_returned("cudaMalloc");
   }
-  {
+  if (wanted("cudaMallocAsync")) {
     cudaMemPool_t mempool = nullptr;
     require(cudaDeviceGetDefaultMemPool(&mempool, 0), "cudaDeviceGetDefaultMemPool");
     std::uint64_t threshold = UINT64_MAX;
@@ -434,7 +509,7 @@ int main(int argc, char** argv) {
     a.empty_cache();
     check_returned("cudaMallocAsync");
   }
-  {
+  if (wanted("CUB caching")) {
     cub::CachingDeviceAllocator cub(8, 3, 22, std::size_t{64} << 30);
     allocator_under_test a;
     a.name = "CUB caching";
@@ -451,9 +526,9 @@ int main(int argc, char** argv) {
     a.footprint = cub_bin;
     run(a, "cold", device_free_now(), true);
     a.empty_cache();
+    check_returned("CUB");
   }
-  check_returned("CUB");
-  {
+  if (wanted("thrust disjoint pool")) {
     using thrust_pool =
         thrust::mr::disjoint_unsynchronized_pool_resource<thrust::device_memory_resource,
                                                           thrust::mr::new_delete_resource>;
@@ -469,9 +544,9 @@ int main(int argc, char** argv) {
     a.empty_cache = [&] { pool.release(); };
     run(a, "cold", device_free_now(), true);
     a.empty_cache();
+    check_returned("thrust's pool");
   }
-  check_returned("thrust's pool");
-  {
+  if (wanted("cudamem pool")) {
     cudamem::device_resource device{0};
     cudamem::pool_resource pool{device};
     allocator_under_test a = from_resource("cudamem pool", pool, stream);
@@ -479,29 +554,31 @@ int main(int argc, char** argv) {
     const std::size_t free = device_free_now();
     run(a, "cold", free, true);
     run(a, "warm", free, false);
+    check_returned("cudamem pool");
   }
-  check_returned("cudamem pool");
-  {
+  if (wanted("cudamem vm_pool")) {
     auto layer = std::make_unique<timed_mapping>(0);
-    const timed_mapping& timing = *layer;
+    timed_mapping& timing = *layer;
     const std::size_t free = device_free_now();
     cudamem::vm_pool_resource vm{std::move(layer)};
     allocator_under_test a = from_resource("cudamem vm_pool", vm, stream);
     a.empty_cache = [&] { vm.release(); };
     a.counters = vm_counters(vm);
+    a.driver_detail = [&timing](const char* what) { return timing.delta(what); };
     run(a, "cold", free, true);
     run(a, "warm", free, false);
     print_vm_stats(vm, "  ");
     timing.print("  ");
+    check_returned("cudamem vm_pool");
   }
-  check_returned("cudamem vm_pool");
-
-  standard_traces_section(
-      [] {
-        static cudamem::device_resource device{0};
-        return std::make_unique<cudamem::pool_resource>(device);
-      },
-      [] { return std::make_unique<cudamem::vm_pool_resource>(0); }, stream);
+  if (only.empty()) {
+    standard_traces_section(
+        [] {
+          static cudamem::device_resource device{0};
+          return std::make_unique<cudamem::pool_resource>(device);
+        },
+        [] { return std::make_unique<cudamem::vm_pool_resource>(0); }, stream);
+  }
   require(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   require(cudaStreamDestroy(stream), "cudaStreamDestroy");
   std::printf("\nbench_fragmentation: done in %.0f s\n", seconds_since(bench_start));

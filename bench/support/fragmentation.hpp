@@ -37,7 +37,39 @@ struct fragmentation_result {
   std::size_t denominator = 0; ///< bytes freed (swiss cheese) / free memory at the start
   std::size_t ops = 0;         ///< allocations and frees made
   double ns_per_op = 0;
+  // With profile_ops on (bench_fragmentation --detail): where the time went.
+  std::size_t slow_ops = 0;    ///< operations that took more than slow_op_ns
+  double slow_ns = 0;          ///< their time together
+  double worst_ns = 0;         ///< the slowest operation
+  std::vector<double> phase_ns;  ///< swiss cheese: fill, make holes, large blocks, clean up
 };
+
+/// Time every operation (two clock reads each: ~40 ns, so off for the headline figures).
+inline bool profile_ops = false;
+inline constexpr double slow_op_ns = 20'000;
+
+/// Runs `op` and, with profile_ops on, adds its time to r's slow-op figures.
+template <class Op>
+auto timed_op(fragmentation_result& r, Op&& op) {
+  if (!profile_ops) {
+    return op();
+  }
+  const auto start = std::chrono::steady_clock::now();
+  struct on_exit {
+    fragmentation_result& r;
+    std::chrono::steady_clock::time_point start;
+    ~on_exit() {
+      const double ns =
+          std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
+      r.worst_ns = ns > r.worst_ns ? ns : r.worst_ns;
+      if (ns > slow_op_ns) {
+        ++r.slow_ops;
+        r.slow_ns += ns;
+      }
+    }
+  } guard{r, start};
+  return op();
+}
 
 inline std::size_t same_size(std::size_t bytes) noexcept { return bytes; }
 
@@ -48,24 +80,32 @@ fragmentation_result swiss_cheese(Alloc&& alloc, Free&& release, std::size_t sma
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
   fragmentation_result r;
+  auto phase_start = start;
+  const auto end_phase = [&] {
+    const auto now = clock::now();
+    r.phase_ns.push_back(std::chrono::duration<double, std::nano>(now - phase_start).count());
+    phase_start = now;
+  };
   std::vector<void*> smalls;
   while (smalls.size() < max_blocks) {
-    void* p = alloc(small);
+    void* p = timed_op(r, [&] { return alloc(small); });
     ++r.ops;
     if (p == nullptr) {
       break;
     }
     smalls.push_back(p);
   }
+  end_phase();
   for (std::size_t i = 1; i < smalls.size(); i += 2) {
-    release(smalls[i], small);
+    timed_op(r, [&] { release(smalls[i], small); });
     smalls[i] = nullptr;
     r.denominator += footprint(small);
     ++r.ops;
   }
+  end_phase();
   std::vector<void*> larges;
   while (larges.size() < max_blocks) {
-    void* p = alloc(large);
+    void* p = timed_op(r, [&] { return alloc(large); });
     ++r.ops;
     if (p == nullptr) {
       break;
@@ -73,16 +113,18 @@ fragmentation_result swiss_cheese(Alloc&& alloc, Free&& release, std::size_t sma
     larges.push_back(p);
     r.numerator += large;
   }
+  end_phase();
   for (void* p : larges) {
-    release(p, large);
+    timed_op(r, [&] { release(p, large); });
     ++r.ops;
   }
   for (void* p : smalls) {
     if (p != nullptr) {
-      release(p, small);
+      timed_op(r, [&] { release(p, small); });
       ++r.ops;
     }
   }
+  end_phase();
   const auto ns = std::chrono::duration<double, std::nano>(clock::now() - start).count();
   r.ns_per_op = r.ops ? ns / static_cast<double>(r.ops) : 0;
   r.ratio = r.denominator ? static_cast<double>(r.numerator) / static_cast<double>(r.denominator) : 0;
@@ -142,7 +184,7 @@ fragmentation_result mixed(const mixed_spec& spec, Alloc&& alloc, Free&& release
     const double scale = std::pow(1.0 + spec.large_growth, static_cast<double>(step));
     const auto big = static_cast<std::size_t>(
         static_cast<double>(rng.log_uniform(spec.large_min, spec.large_max)) * scale);
-    void* p = alloc(big);
+    void* p = timed_op(r, [&] { return alloc(big); });
     ++r.ops;
     if (p == nullptr) {
       failed = true;
@@ -152,7 +194,7 @@ fragmentation_result mixed(const mixed_spec& spec, Alloc&& alloc, Free&& release
     live += big;
     for (std::size_t k = 0; k < spec.smalls_per_step; ++k) {
       const std::size_t n = rng.log_uniform(spec.small_min, spec.small_max);
-      void* q = alloc(n);
+      void* q = timed_op(r, [&] { return alloc(n); });
       ++r.ops;
       if (q == nullptr) {
         failed = true;
@@ -162,7 +204,7 @@ fragmentation_result mixed(const mixed_spec& spec, Alloc&& alloc, Free&& release
       live += n;
     }
     while (!failed && larges.size() > spec.large_window) {
-      release(larges.front().first, larges.front().second);
+      timed_op(r, [&] { release(larges.front().first, larges.front().second); });
       live -= larges.front().second;
       larges.pop_front();
       ++r.ops;

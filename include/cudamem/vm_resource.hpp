@@ -15,23 +15,31 @@
 //
 // Why. Memory behind fixed address ranges cannot turn two free 64 MiB holes into one 128 MiB
 // block ("out of memory while memory is free"). The driver's cudaMalloc can, by mapping physical
-// pages into a fresh range, at 50-170 µs a call. This resource does the same in bulk and rarely:
+// pages into a fresh range, at 50-170 µs a call. This resource does the same, rarely, and only
+// for what a request lacks:
 // - It reserves a virtual range four times the device's memory, once (22 µs for 158 GiB on an
 //   H100), and more ranges if it ever runs out.
-// - Physical memory is created in handles of `handle_bytes` (32 MiB by default, smaller near
+// - Physical memory is created in handles of `handle_bytes` (64 MiB by default, smaller near
 //   the end of the device), at least `growth_bytes` (256 MiB) per growth while the device has
-//   it, mapped at the *frontier* (the lowest never-used address of the active range), with ONE
-//   cuMemSetAccess per batch: that is the expensive call.
+//   it, mapped at the *frontier* (the lowest never-used address of the active range), with one
+//   cuMemSetAccess per batch.
 // - A request of a handle or more gets whole handles (it starts at a handle's start and ends at
 //   a handle's end), so that once freed all its physical memory can be recycled; smaller ones
 //   are placed at granule precision (2 MiB on current GPUs) and best fit packs them into
 //   handles already shared. A freed range stays mapped and free: the next request that fits
 //   takes it at no cost to the driver. Neighbouring free ranges merge.
-// - When no free range fits, every handle that lies wholly in free memory is *recycled*: mapped
-//   again at the frontier, next to the others (cuMemMap ~1 µs each, one cuMemSetAccess), so all
-//   recyclable free memory becomes one contiguous free range: a *compaction*. Only then is new
-//   physical memory created for what is still missing; when the device has none, the request
-//   fails with `out_of_memory`. (Recycling first keeps the footprint at what is in use.)
+// - When no free range fits, handles that lie wholly in free memory are *recycled*: mapped
+//   again at the frontier, next to each other and to the free range already there, so they
+//   become one contiguous free range (a *compaction*). Only as many as the request lacks are
+//   moved, from the smallest free runs first (a large free run serves later requests where it
+//   is, for nothing). Only then is new physical memory created for what is still missing; when
+//   the device has none, the request fails with `out_of_memory`. (Recycling first keeps the
+//   footprint at what is in use.)
+// - What a move costs, measured (bench_vmm_driver, H200): cuMemMap ~0.5-1 µs, and
+//   cuMemSetAccess ~23 µs *per handle* in the range, whatever the handle's size up to 64 MiB
+//   (31 µs at 256 MiB, 51 µs at 1 GiB): giving access is paid per handle, not per byte. Hence
+//   64 MiB handles (half the calls of 32 MiB for the same bytes; larger ones could not be
+//   recycled out of 64 MiB holes), and moving only what is missing.
 // - The old address of a recycled handle is retired and stays mapped, as a *stale alias*,
 //   until release() or destruction: so no cuMemUnmap (17-31 µs each, and unsafe while a kernel
 //   may read) is on the allocation path. When the active reservation is used up, another is
@@ -97,9 +105,10 @@ namespace cudamem {
 /// How to build a vm_resource.
 struct vm_resource_options {
   /// Size of each physical handle: the unit of growth and of recycling (rounded up to the
-  /// granularity). Larger handles cost fewer driver calls per byte; smaller ones strand less
-  /// free memory next to live blocks. Near the end of the device smaller ones are made.
-  std::size_t handle_bytes = std::size_t{32} << 20;
+  /// granularity). Larger handles cost fewer driver calls per byte (giving access costs ~23 µs
+  /// per handle); smaller ones strand less free memory next to live blocks, and a free hole
+  /// smaller than a handle cannot be recycled. Near the end of the device smaller ones are made.
+  std::size_t handle_bytes = std::size_t{64} << 20;
   /// Least physical memory a growth creates (when the device has it): fewer, larger batches of
   /// driver calls. What is not needed yet stays mapped and free for the next request.
   std::size_t growth_bytes = std::size_t{256} << 20;
@@ -200,7 +209,7 @@ class vm_resource final : public memory_resource {
   std::size_t release() {
     const std::lock_guard lock(mutex_);
     wait_and_unmap_stale();
-    std::vector<recycled_handle> found = take_recyclable(false);
+    std::vector<recycled_handle> found = take_recyclable(recyclable_runs(false));
     std::size_t released = 0;
     for (const recycled_handle& h : found) {
       layer_->unmap(h.old_address, h.bytes);
@@ -535,39 +544,71 @@ class vm_resource final : public memory_resource {
     return last->first + last->second.bytes == frontier_ ? last : free_by_address_.end();
   }
 
-  /// Bytes of the handles a compaction would recycle (those wholly in free memory, less the
-  /// frontier's tail range when `keep_tail`: it is already where compaction puts things).
-  [[nodiscard]] std::size_t recyclable_total(bool keep_tail) {
+  /// A maximal run of free memory and the bytes of the handles lying wholly inside it: what
+  /// a compaction may recycle from it.
+  struct recyclable_run {
+    std::uintptr_t begin;
+    std::uintptr_t end;
+    std::size_t bytes;
+  };
+
+  /// Every free run holding a whole handle, in address order (one walk of the free ranges).
+  /// With `keep_tail`, the free range at the frontier is left out: it is already where a
+  /// compaction puts things.
+  [[nodiscard]] std::vector<recyclable_run> recyclable_runs(bool keep_tail) {
     const auto tail = keep_tail ? frontier_tail() : free_by_address_.end();
     const std::uintptr_t tail_start = tail != free_by_address_.end() ? tail->first : 0;
-    std::size_t total = 0;
+    std::vector<recyclable_run> runs;
     for_each_free_run([&](std::uintptr_t begin, std::uintptr_t end) {
       if (tail_start != 0 && end == frontier_) {
         end = tail_start;
       }
-      for_each_handle_inside(begin, end, [&](std::uintptr_t, const mapped_handle& h) {
-        total += h.bytes;
-      });
+      std::size_t bytes = 0;
+      for_each_handle_inside(begin, end,
+                             [&](std::uintptr_t, const mapped_handle& h) { bytes += h.bytes; });
+      if (bytes != 0) {
+        runs.push_back({begin, end, bytes});
+      }
     });
+    return runs;
+  }
+
+  [[nodiscard]] static std::size_t total_bytes(const std::vector<recyclable_run>& runs) noexcept {
+    std::size_t total = 0;
+    for (const recyclable_run& r : runs) {
+      total += r.bytes;
+    }
     return total;
   }
 
-  /// Takes every recyclable handle (see recyclable_total) out of the index, cutting its bytes
-  /// out of the free ranges (the remnants keep their tags). The host waits first for every
-  /// stream whose frees cover them: after this, their memory is idle.
-  std::vector<recycled_handle> take_recyclable(bool keep_tail) {
-    const auto tail = keep_tail ? frontier_tail() : free_by_address_.end();
-    const std::uintptr_t tail_start = tail != free_by_address_.end() ? tail->first : 0;
-    std::vector<recycled_handle> out;
-    std::vector<cudaStream_t> pending;
-    for_each_free_run([&](std::uintptr_t begin, std::uintptr_t end) {
-      if (tail_start != 0 && end == frontier_) {
-        end = tail_start;
-      }
-      for_each_handle_inside(begin, end, [&](std::uintptr_t address, const mapped_handle& h) {
-        out.push_back({h.handle, h.bytes, address});
+  /// Takes handles of `runs` (from recyclable_runs) out of the index, at least `wanted` bytes
+  /// of them (all by default), cutting their bytes out of the free ranges (the remnants keep
+  /// their tags). Handles come from the smallest free runs first: a large free run serves later
+  /// requests where it is, at no cost, while moving a handle costs the driver ~25-40 us (a
+  /// cuMemMap, and the handle's share of cuMemSetAccess, which is paid per handle, not per
+  /// byte: bench_vmm_driver). The host waits first for every stream whose frees cover them:
+  /// after this, their memory is idle.
+  std::vector<recycled_handle> take_recyclable(std::vector<recyclable_run> runs,
+                                               std::size_t wanted = ~std::size_t{0}) {
+    if (wanted < total_bytes(runs)) {
+      std::stable_sort(runs.begin(), runs.end(), [](const recyclable_run& a, const recyclable_run& b) {
+        return a.end - a.begin < b.end - b.begin;
       });
-    });
+    }
+    std::vector<recycled_handle> out;
+    std::size_t taken = 0;
+    for (const recyclable_run& r : runs) {
+      if (taken >= wanted) {
+        break;
+      }
+      for_each_handle_inside(r.begin, r.end, [&](std::uintptr_t address, const mapped_handle& h) {
+        if (taken < wanted) {
+          out.push_back({h.handle, h.bytes, address});
+          taken += h.bytes;
+        }
+      });
+    }
+    std::vector<cudaStream_t> pending;
     for (const recycled_handle& t : out) {
       // Cut [old_address, +bytes) out of the free ranges it overlaps.
       auto it = free_by_address_.upper_bound(t.old_address);
@@ -624,10 +665,11 @@ class vm_resource final : public memory_resource {
       return static_cast<std::size_t>(frontier_ - start);
     };
     std::size_t have = usable_at_frontier();
-    std::size_t recyclable = recyclable_total(true);
+    std::vector<recyclable_run> runs = recyclable_runs(true);
+    std::size_t recyclable = total_bytes(runs);
     // Room for the worst case: everything recycled plus everything missing, at the frontier.
     if (frontier_ == 0 || frontier_end_ - frontier_ < needed + recyclable) {
-      std::size_t all = recyclable_total(false);
+      std::size_t all = total_bytes(recyclable_runs(false));
       drop_empty_reservations();
       if (!stale_.empty() && reservations_.size() >= options_.reservations_before_sweep) {
         // Address space is cheap, but not endless: past the limit, the stale aliases go
@@ -639,7 +681,8 @@ class vm_resource final : public memory_resource {
         add_reservation(std::max(reservation_bytes_, round_up(needed + all, granule_)));
       }
       have = usable_at_frontier();
-      recyclable = recyclable_total(true);
+      runs = recyclable_runs(true);
+      recyclable = total_bytes(runs);
     }
     const std::size_t missing = round_up(needed > have ? needed - have : 1, granule_);
     const std::size_t required = missing > recyclable ? missing - recyclable : 0;
@@ -694,11 +737,11 @@ class vm_resource final : public memory_resource {
       return false;
     }
     device_full_ = device_full_ && created == 0;
-    // 2. Recycle: only when growth alone is not enough.
+    // 2. Recycle: only when growth alone is not enough, and only what is missing.
     if (missing > created) {
       std::vector<recycled_handle> recycled;
       try {
-        recycled = take_recyclable(true);
+        recycled = take_recyclable(std::move(runs), missing - created);
         ++compactions_;
         stale_.reserve(stale_.size() + recycled.size());
         all.reserve(all.size() + recycled.size());

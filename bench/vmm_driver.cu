@@ -1,0 +1,107 @@
+// bench/vmm_driver.cu — what CUDA's virtual-memory calls cost on this device, by handle size:
+// the figures vm_resource's design rests on (which calls are cheap, which are paid per byte).
+//
+//   ./run bench vmm_driver          # on a GPU, a few seconds; with no GPU it exits 69
+//
+// For each handle size (2 MiB to 1 GiB) it creates 8 GiB of physical memory in handles of that
+// size, then maps all of it three times, at three fresh address ranges:
+//   A: fresh memory, cuMemSetAccess once over the whole range;
+//   B: the same handles again (a second alias), cuMemSetAccess once per handle;
+//   C: a third alias, cuMemSetAccess once over the whole range.
+// and prints the mean time of each kind of call, and cuMemSetAccess per GiB. A then C says
+// whether giving access costs less for memory that is already mapped elsewhere; B then C
+// whether it is paid per call or per byte.
+#include <cudamem/detail/vm_driver_mapping.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <chrono>
+#include <cstdio>
+#include <vector>
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+constexpr std::size_t MiB = std::size_t{1} << 20;
+constexpr std::size_t GiB = std::size_t{1} << 30;
+
+double us_since(clock_type::time_point start) {
+  return std::chrono::duration<double, std::micro>(clock_type::now() - start).count();
+}
+
+}  // namespace
+
+int main() {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::printf("SKIPPED: no CUDA device\n");
+    return 69;
+  }
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  cudamem::detail::driver_vm_mapping layer{0, {}};
+  constexpr std::size_t total = 8 * GiB;
+  std::printf("vmm_driver: %s, granularity %zu MiB; %zu GiB per handle size, mean us per call\n",
+              prop.name, layer.granularity() / MiB, total / GiB);
+  std::printf("%8s %8s %9s %9s %14s %14s %14s %11s %9s\n", "handle", "handles", "create",
+              "map", "access A once", "access B each", "access C once", "A/C us/GiB", "unmap");
+  for (const std::size_t handle : {2 * MiB, 32 * MiB, 256 * MiB, 1024 * MiB}) {
+    const std::size_t n = total / handle;
+    std::vector<cudamem::detail::vm_handle> handles;
+    auto start = clock_type::now();
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto h = layer.create(handle);
+      if (!h) {
+        std::printf("cuMemCreate failed at handle %zu\n", i);
+        return 1;
+      }
+      handles.push_back(*h);
+    }
+    const double create_us = us_since(start) / static_cast<double>(n);
+    std::uintptr_t va[3] = {layer.reserve(total), layer.reserve(total), layer.reserve(total)};
+    double map_us = 0;
+    double access_us[3] = {0, 0, 0};
+    for (int alias = 0; alias < 3; ++alias) {
+      start = clock_type::now();
+      for (std::size_t i = 0; i < n; ++i) {
+        layer.map(va[alias] + i * handle, handle, handles[i]);
+      }
+      map_us += us_since(start);
+      start = clock_type::now();
+      if (alias == 1) {
+        for (std::size_t i = 0; i < n; ++i) {
+          layer.set_access(va[alias] + i * handle, handle);
+        }
+      } else {
+        layer.set_access(va[alias], total);
+      }
+      access_us[alias] = us_since(start);
+    }
+    // Touch the memory through the last alias, so nothing is lazily skipped.
+    if (cudaMemsetAsync(reinterpret_cast<void*>(va[2]), 0, total) != cudaSuccess ||
+        cudaDeviceSynchronize() != cudaSuccess) {
+      std::printf("memset through the alias failed\n");
+      return 1;
+    }
+    start = clock_type::now();
+    for (int alias = 0; alias < 3; ++alias) {
+      for (std::size_t i = 0; i < n; ++i) {
+        layer.unmap(va[alias] + i * handle, handle);
+      }
+    }
+    const double unmap_us = us_since(start) / static_cast<double>(3 * n);
+    for (const auto h : handles) {
+      layer.release(h);
+    }
+    for (const std::uintptr_t v : va) {
+      layer.free_reservation(v, total);
+    }
+    const double gib = static_cast<double>(total) / GiB;
+    std::printf("%5zu MiB %8zu %9.1f %9.2f %14.1f %14.1f %14.1f %5.0f/%-5.0f %9.1f\n",
+                handle / MiB, n, create_us, map_us / static_cast<double>(3 * n), access_us[0],
+                access_us[1] / static_cast<double>(n), access_us[2], access_us[0] / gib,
+                access_us[2] / gib, unmap_us);
+    std::fflush(stdout);
+  }
+  return 0;
+}
