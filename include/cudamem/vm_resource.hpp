@@ -581,6 +581,31 @@ class vm_resource final : public memory_resource {
     return total;
   }
 
+  /// Free ranges holding whole handles, smallest first, until their handles add up to
+  /// `wanted` bytes (fewer if there are not enough); the frontier's tail is left out. Ranges
+  /// smaller than the smallest handle ever made hold none and are not looked at.
+  [[nodiscard]] std::vector<recyclable_run> smallest_recyclable(std::size_t wanted) {
+    const auto tail = frontier_tail();
+    const std::uintptr_t tail_start = tail != free_by_address_.end() ? tail->first : 0;
+    std::vector<recyclable_run> runs;
+    std::size_t total = 0;
+    for (auto it = free_by_size_.lower_bound({smallest_handle_, 0});
+         it != free_by_size_.end() && total < wanted; ++it) {
+      const std::uintptr_t begin = it->second;
+      if (begin == tail_start) {
+        continue;
+      }
+      std::size_t bytes = 0;
+      for_each_handle_inside(begin, begin + it->first,
+                             [&](std::uintptr_t, const mapped_handle& h) { bytes += h.bytes; });
+      if (bytes != 0) {
+        runs.push_back({begin, begin + it->first, bytes});
+        total += bytes;
+      }
+    }
+    return runs;
+  }
+
   /// Takes handles of `runs` (from recyclable_runs) out of the index, at least `wanted` bytes
   /// of them (all by default), cutting their bytes out of the free ranges (the remnants keep
   /// their tags). Handles come from the smallest free runs first: a large free run serves later
@@ -665,11 +690,10 @@ class vm_resource final : public memory_resource {
       return static_cast<std::size_t>(frontier_ - start);
     };
     std::size_t have = usable_at_frontier();
-    std::vector<recyclable_run> runs = recyclable_runs(true);
-    std::size_t recyclable = total_bytes(runs);
-    // Room for the worst case: everything recycled plus everything missing, at the frontier.
-    if (frontier_ == 0 || frontier_end_ - frontier_ < needed + recyclable) {
-      std::size_t all = total_bytes(recyclable_runs(false));
+    // Room for the worst case at the frontier: what is missing, recycled with up to a handle
+    // to spare, or a whole growth created.
+    const std::size_t room = needed + round_up(options_.growth_bytes, handle_) + 2 * handle_;
+    if (frontier_ == 0 || frontier_end_ - frontier_ < room) {
       drop_empty_reservations();
       if (!stale_.empty() && reservations_.size() >= options_.reservations_before_sweep) {
         // Address space is cheap, but not endless: past the limit, the stale aliases go
@@ -677,14 +701,20 @@ class vm_resource final : public memory_resource {
         wait_and_unmap_stale();
         drop_empty_reservations();
       }
-      if (frontier_ == 0 || frontier_end_ - frontier_ < needed + all) {
-        add_reservation(std::max(reservation_bytes_, round_up(needed + all, granule_)));
+      if (frontier_ == 0 || frontier_end_ - frontier_ < room) {
+        add_reservation(std::max(reservation_bytes_, round_up(room, granule_)));
       }
       have = usable_at_frontier();
+    }
+    const std::size_t missing = round_up(needed > have ? needed - have : 1, granule_);
+    // What recycling can give: the smallest free ranges' handles, just enough (a short walk);
+    // only if they do not add up, every free run, exactly (a walk of the whole index).
+    std::vector<recyclable_run> runs = smallest_recyclable(missing);
+    std::size_t recyclable = total_bytes(runs);
+    if (recyclable < missing) {
       runs = recyclable_runs(true);
       recyclable = total_bytes(runs);
     }
-    const std::size_t missing = round_up(needed > have ? needed - have : 1, granule_);
     const std::size_t required = missing > recyclable ? missing - recyclable : 0;
     // 1. New physical memory for what recycling cannot cover, in handles. A growth creates at
     //    least `growth_bytes` while the device gives it (the calls and the one cuMemSetAccess
@@ -713,6 +743,7 @@ class vm_resource final : public memory_resource {
         all.reserve(all.size() + 1);  // so the push below cannot throw and leak the handle
         if (const auto h = layer_->create(piece)) {
           all.push_back({*h, piece, 0});
+          smallest_handle_ = std::min(smallest_handle_, piece);
           created += piece;
           ++handles_created_;
         } else if (created >= required) {
@@ -888,6 +919,7 @@ class vm_resource final : public memory_resource {
   std::size_t access_calls_ = 0;
   std::size_t unmaps_ = 0;
   bool device_full_ = false;  ///< the last growth found the device full
+  std::size_t smallest_handle_ = ~std::size_t{0};  ///< smallest handle ever created
 };
 
 }  // namespace cudamem
