@@ -510,65 +510,73 @@ int main(int argc, char** argv) {
     check_returned("cudaMallocAsync");
   }
   if (wanted("CUB caching")) {
-    cub::CachingDeviceAllocator cub(8, 3, 22, std::size_t{64} << 30);
-    allocator_under_test a;
-    a.name = "CUB caching";
-    a.alloc = [&](std::size_t n) -> void* {
-      void* p = nullptr;
-      if (cub.DeviceAllocate(&p, n, stream) != cudaSuccess) {
-        static_cast<void>(cudaGetLastError());
-        return nullptr;
-      }
-      return p;
-    };
-    a.release = [&](void* p, std::size_t) { require(cub.DeviceFree(p), "CUB DeviceFree"); };
-    a.empty_cache = [&] { require(cub.FreeAllCached(), "CUB FreeAllCached"); };
-    a.footprint = cub_bin;
-    run(a, "cold", device_free_now(), true);
-    a.empty_cache();
+    {  // the allocator is destroyed before its memory is counted back
+      cub::CachingDeviceAllocator cub(8, 3, 22, std::size_t{64} << 30);
+      allocator_under_test a;
+      a.name = "CUB caching";
+      a.alloc = [&](std::size_t n) -> void* {
+        void* p = nullptr;
+        if (cub.DeviceAllocate(&p, n, stream) != cudaSuccess) {
+          static_cast<void>(cudaGetLastError());
+          return nullptr;
+        }
+        return p;
+      };
+      a.release = [&](void* p, std::size_t) { require(cub.DeviceFree(p), "CUB DeviceFree"); };
+      a.empty_cache = [&] { require(cub.FreeAllCached(), "CUB FreeAllCached"); };
+      a.footprint = cub_bin;
+      run(a, "cold", device_free_now(), true);
+      a.empty_cache();
+    }
     check_returned("CUB");
   }
   if (wanted("thrust disjoint pool")) {
-    using thrust_pool =
-        thrust::mr::disjoint_unsynchronized_pool_resource<thrust::device_memory_resource,
-                                                          thrust::mr::new_delete_resource>;
-    thrust::device_memory_resource upstream;
-    thrust::mr::new_delete_resource bookkeeper;
-    thrust_pool pool(&upstream, &bookkeeper);
-    allocator_under_test a;
-    a.name = "thrust disjoint pool";
-    a.alloc = [&](std::size_t n) { return or_null([&] { return pool.do_allocate(n, 256).get(); }); };
-    a.release = [&](void* p, std::size_t n) {
-      pool.do_deallocate(thrust::device_ptr<void>(p), n, 256);
-    };
-    a.empty_cache = [&] { pool.release(); };
-    run(a, "cold", device_free_now(), true);
-    a.empty_cache();
+    {  // the allocator is destroyed before its memory is counted back
+      using thrust_pool =
+          thrust::mr::disjoint_unsynchronized_pool_resource<thrust::device_memory_resource,
+                                                            thrust::mr::new_delete_resource>;
+      thrust::device_memory_resource upstream;
+      thrust::mr::new_delete_resource bookkeeper;
+      thrust_pool pool(&upstream, &bookkeeper);
+      allocator_under_test a;
+      a.name = "thrust disjoint pool";
+      a.alloc = [&](std::size_t n) { return or_null([&] { return pool.do_allocate(n, 256).get(); }); };
+      a.release = [&](void* p, std::size_t n) {
+        pool.do_deallocate(thrust::device_ptr<void>(p), n, 256);
+      };
+      a.empty_cache = [&] { pool.release(); };
+      run(a, "cold", device_free_now(), true);
+      a.empty_cache();
+    }
     check_returned("thrust's pool");
   }
   if (wanted("cudamem pool")) {
-    cudamem::device_resource device{0};
-    cudamem::pool_resource pool{device};
-    allocator_under_test a = from_resource("cudamem pool", pool, stream);
-    a.empty_cache = [&] { pool.release(); };
-    const std::size_t free = device_free_now();
-    run(a, "cold", free, true);
-    run(a, "warm", free, false);
+    {  // the allocator is destroyed before its memory is counted back
+      cudamem::device_resource device{0};
+      cudamem::pool_resource pool{device};
+      allocator_under_test a = from_resource("cudamem pool", pool, stream);
+      a.empty_cache = [&] { pool.release(); };
+      const std::size_t free = device_free_now();
+      run(a, "cold", free, true);
+      run(a, "warm", free, false);
+    }
     check_returned("cudamem pool");
   }
   if (wanted("cudamem vm_pool")) {
-    auto layer = std::make_unique<timed_mapping>(0);
-    timed_mapping& timing = *layer;
-    const std::size_t free = device_free_now();
-    cudamem::vm_pool_resource vm{std::move(layer)};
-    allocator_under_test a = from_resource("cudamem vm_pool", vm, stream);
-    a.empty_cache = [&] { vm.release(); };
-    a.counters = vm_counters(vm);
-    a.driver_detail = [&timing](const char* what) { return timing.delta(what); };
-    run(a, "cold", free, true);
-    run(a, "warm", free, false);
-    print_vm_stats(vm, "  ");
-    timing.print("  ");
+    {  // the allocator is destroyed before its memory is counted back
+      auto layer = std::make_unique<timed_mapping>(0);
+      timed_mapping& timing = *layer;
+      const std::size_t free = device_free_now();
+      cudamem::vm_pool_resource vm{std::move(layer)};
+      allocator_under_test a = from_resource("cudamem vm_pool", vm, stream);
+      a.empty_cache = [&] { vm.release(); };
+      a.counters = vm_counters(vm);
+      a.driver_detail = [&timing](const char* what) { return timing.delta(what); };
+      run(a, "cold", free, true);
+      run(a, "warm", free, false);
+      print_vm_stats(vm, "  ");
+      timing.print("  ");
+    }
     check_returned("cudamem vm_pool");
   }
   if (only.empty()) {
