@@ -135,6 +135,56 @@ TEST_CASE("vm_resource: when nothing fits, free handles are recycled side by sid
   CHECK(s.layer.violations == 0);
 }
 
+TEST_CASE("vm_resource: a compaction moves only the handles the request lacks, smallest runs first") {
+  // Moving a handle costs the driver ~25-40 us (bench_vmm_driver); a free run that stays where
+  // it is costs nothing. So: four lone free handles and one free run of three; a 128 MiB
+  // request fits in neither, and must take exactly the four lone handles, leaving the run of
+  // three in place for the next request.
+  sim_vm s{GiB, handles_of(32 * MiB)};
+  std::vector<void*> blocks;
+  for (int i = 0; i < 32; ++i) {
+    blocks.push_back(s.vm.allocate(32 * MiB));
+  }
+  CHECK_THROWS_AS(s.vm.allocate(32 * MiB), out_of_memory);  // the device is full
+  std::vector<detail::vm_handle> lone;
+  for (const int i : {5, 8, 11, 14}) {
+    lone.push_back(*s.layer.handle_at(addr(blocks[i])));
+    s.vm.deallocate(blocks[i], 32 * MiB);
+  }
+  for (const int i : {20, 21, 22}) {
+    s.vm.deallocate(blocks[i], 32 * MiB);
+  }
+  const auto calls = s.layer.calls;
+  void* big = s.vm.allocate(128 * MiB);
+  CHECK(s.layer.calls.map - calls.map == 4);  // four moves, not seven
+  CHECK(s.layer.calls.set_access - calls.set_access == 1);
+  CHECK(s.layer.calls.create == calls.create);
+  for (std::size_t k = 0; k < 4; ++k) {
+    CHECK(s.layer.handle_at(addr(big) + k * 32 * MiB) == lone[k]);
+  }
+  CHECK(s.layer.is_accessible(addr(big), 128 * MiB));
+  // The run of three is still where it was, and serves a 96 MiB request with no driver call.
+  const auto after = s.layer.calls;
+  void* run = s.vm.allocate(96 * MiB);
+  CHECK(run == blocks[20]);
+  CHECK(s.layer.calls.map == after.map);
+  CHECK(s.layer.calls.set_access == after.set_access);
+  const vm_resource_stats st = s.vm.vm_stats();
+  CHECK(st.compactions == 1);
+  CHECK(st.stale_aliases == 4);
+  CHECK(st.free_bytes == 0);
+  s.vm.deallocate(run, 96 * MiB);
+  s.vm.deallocate(big, 128 * MiB);
+  for (int i = 0; i < 32; ++i) {
+    if (i != 5 && i != 8 && i != 11 && i != 14 && (i < 20 || i > 22)) {
+      s.vm.deallocate(blocks[i], 32 * MiB);
+    }
+  }
+  CHECK(s.vm.release() == GiB);
+  CHECK(s.layer.physical_in_use() == 0);
+  CHECK(s.layer.violations == 0);
+}
+
 TEST_CASE("vm_resource: stream order across reuse and recycling; no unmap while in flight") {
   sim_vm s{256 * MiB, handles_of(32 * MiB)};
   const cudaStream_t a = fake_stream(1);
