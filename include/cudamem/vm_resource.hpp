@@ -240,9 +240,7 @@ class vm_resource final : public memory_resource {
     s.free_bytes = mapped_bytes_ - used_bytes_;
     s.largest_free_range = free_by_size_.empty() ? 0 : free_by_size_.rbegin()->first;
     for_each_free_run([&](std::uintptr_t begin, std::uintptr_t end) {
-      for_each_handle_inside(begin, end, [&](std::uintptr_t, const mapped_handle& h) {
-        s.recyclable_bytes += h.bytes;
-      });
+      s.recyclable_bytes += handle_bytes_inside(begin, end);
     });
     s.stranded_bytes = s.free_bytes - s.recyclable_bytes;
     s.handles = handles_.size();
@@ -563,14 +561,19 @@ class vm_resource final : public memory_resource {
       if (tail_start != 0 && end == frontier_) {
         end = tail_start;
       }
-      std::size_t bytes = 0;
-      for_each_handle_inside(begin, end,
-                             [&](std::uintptr_t, const mapped_handle& h) { bytes += h.bytes; });
-      if (bytes != 0) {
+      if (const std::size_t bytes = handle_bytes_inside(begin, end); bytes != 0) {
         runs.push_back({begin, end, bytes});
       }
     });
     return runs;
+  }
+
+  /// Bytes of the handles mapped wholly inside [begin, end).
+  [[nodiscard]] std::size_t handle_bytes_inside(std::uintptr_t begin, std::uintptr_t end) const {
+    std::size_t bytes = 0;
+    for_each_handle_inside(begin, end,
+                           [&](std::uintptr_t, const mapped_handle& h) { bytes += h.bytes; });
+    return bytes;
   }
 
   [[nodiscard]] static std::size_t total_bytes(const std::vector<recyclable_run>& runs) noexcept {
@@ -595,18 +598,16 @@ class vm_resource final : public memory_resource {
       if (begin == tail_start) {
         continue;
       }
-      std::size_t bytes = 0;
-      for_each_handle_inside(begin, begin + it->first,
-                             [&](std::uintptr_t, const mapped_handle& h) { bytes += h.bytes; });
-      if (bytes != 0) {
-        runs.push_back({begin, begin + it->first, bytes});
+      const std::uintptr_t end = begin + it->first;
+      if (const std::size_t bytes = handle_bytes_inside(begin, end); bytes != 0) {
+        runs.push_back({begin, end, bytes});
         total += bytes;
       }
     }
     return runs;
   }
 
-  /// Takes handles of `runs` (from recyclable_runs) out of the index, at least `wanted` bytes
+  /// Takes handles of `runs` (from recyclable_runs or smallest_recyclable) out of the index, at least `wanted` bytes
   /// of them (all by default), cutting their bytes out of the free ranges (the remnants keep
   /// their tags). Handles come from the smallest free runs first: a large free run serves later
   /// requests where it is, at no cost, while moving a handle costs the driver ~25-40 us (a
