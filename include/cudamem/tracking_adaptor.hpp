@@ -42,12 +42,12 @@
 //   threads freeing different pointers rarely wait for each other; the upstream is called
 //   outside every lock. Sequence numbers follow the order of allocation within a thread.
 // - stats(): `used_bytes` is exact (the shards' counts added up). `peak_used_bytes` is
-//   recomputed (the shards added up) whenever an allocation takes its shard past the shard's
-//   own most, and at every stats() call: exact for one thread whenever the peak is reached
-//   by growing (a pair trace, a build-up then tear-down); with several threads allocating at
-//   that moment it may miss bytes another thread was adding, and it can be below the true
-//   peak when a shard that once held more is refilled after others grew. It never exceeds
-//   the true peak. (An exact peak needs one counter every thread writes: the cost removed.)
+//   recomputed (the shards added up) whenever an allocation takes its shard above what the
+//   shard held at the last such sum, and at every stats() call. For one thread that is exact:
+//   the total can pass the peak only through a shard that passes its mark. With several
+//   threads allocating at once a sum may miss bytes another thread is adding, so the peak
+//   may be a little below the true one; it never exceeds it. (An exact peak under threads
+//   needs one counter every thread writes: the cost removed.)
 // - Cost (per request, on top of the upstream): one shard lock, one or two cache lines of an
 //   open-addressing table, and the CPU's tick counter if timestamps are on (turned into time
 //   only for a report). No other atomic instruction: bytes in use are counted per shard under
@@ -254,19 +254,19 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
 
     std::unique_ptr<detail::tracked_allocation> displaced;  // an upstream bug's evidence
     bool was_live = false;
-    bool shard_at_new_peak = false;
+    bool shard_past_mark = false;
     detail::allocation_shard& shard = table_.shard_for(p);
     try {
       const std::lock_guard lock(shard.mutex());
       detail::tracked_allocation& entry = shard.add(p, bytes, alignment_log2, was_live);
       if (was_live) [[unlikely]] {
-        shard_at_new_peak = shard.count_allocation(bytes, entry.bytes);
+        shard_past_mark = shard.count_allocation(bytes, entry.bytes);
         displaced = copy_of(entry);
         entry.pointer = p;
         entry.bytes = bytes;
         entry.alignment_log2 = alignment_log2;
       } else {
-        shard_at_new_peak = shard.count_allocation(bytes);
+        shard_past_mark = shard.count_allocation(bytes);
       }
       entry.stream = stream ? stream->get() : nullptr;
       entry.site = site;
@@ -278,7 +278,7 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
       forward_deallocate(p, bytes, alignment, stream);
       throw;
     }
-    if (shard_at_new_peak) [[unlikely]] {  // only then can the total be at a new peak
+    if (shard_past_mark) [[unlikely]] {  // only then can the total be at a new peak
       raise_peak();
     }
     if (was_live) [[unlikely]] {  // the upstream handed out a live pointer twice: its bug
@@ -290,11 +290,12 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
   // The cold paths live in functions of their own (never inlined), so that the hot paths
   // stay small: no message building, no 64-byte record on their stack frames.
 
-  /// The bytes in use: the shards' counts added up (relaxed loads, no locks).
+  /// The bytes in use: the shards' counts added up (relaxed loads, no locks). Each shard
+  /// remembers what it held at this sum (see allocation_shard::count_allocation).
   [[nodiscard]] std::size_t sum_used_bytes() const noexcept {
     std::size_t used = 0;
     for (std::size_t i = 0; i < detail::allocation_table::shard_count; ++i) {
-      used += table_.shard(i).used_bytes();
+      used += table_.shard(i).mark_summed();
     }
     return used;
   }
@@ -434,7 +435,7 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
   // free takes one shard's lock and touches one or two of its cache lines; no host memory is
   // allocated per request (a shard's table only grows, by doubling). The shard lock is the
   // only atomic instruction: bytes in use are counted per shard under it, sequence numbers
-  // per thread, and the peak is written only when a shard reaches a new most of its own;
+  // per thread, and the peak is summed only when a shard passes its mark (count_allocation);
   // the timestamp is the CPU's tick counter, not a clock call.
   bool timestamps_;
   detail::tick_calibration clock_;  // construction time, in both clocks

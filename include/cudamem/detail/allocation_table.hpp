@@ -161,18 +161,25 @@ class alignas(64) allocation_shard {
   }
 
   /// Counts `added` bytes in and `removed` out (a live pointer handed out again replaces its
-  /// old bytes). Call with the lock held. True if the shard holds more bytes than it ever
-  /// has: only then can the adaptor's total be at a new peak (see tracking_adaptor's stats).
+  /// old bytes). Call with the lock held. True if the shard now holds more than when the
+  /// shards were last added up (mark_summed): only then can the total be above every total
+  /// seen so far. (If no shard holds more than it did at the last sum, the total is at most
+  /// that sum. A shard's own most is not enough: a shard below its most, refilled after
+  /// others grew, can carry the total past the peak.)
   bool count_allocation(std::size_t added, std::size_t removed = 0) noexcept {
     // Load and store, not fetch_add: the lock already orders the writers, so no locked
     // instruction is needed; the atomic is only there for lock-free readers.
     const std::size_t used = used_bytes_.load(std::memory_order_relaxed) + added - removed;
     used_bytes_.store(used, std::memory_order_relaxed);
-    if (used > peak_used_bytes_) [[unlikely]] {
-      peak_used_bytes_ = used;
-      return true;
-    }
-    return false;
+    return used > bytes_at_last_sum_.load(std::memory_order_relaxed);
+  }
+
+  /// Reads this shard's bytes in use for a sum of all shards, and remembers them as the mark
+  /// count_allocation compares with.
+  std::size_t mark_summed() noexcept {
+    const std::size_t used = used_bytes_.load(std::memory_order_relaxed);
+    bytes_at_last_sum_.store(used, std::memory_order_relaxed);
+    return used;
   }
 
   /// The live record of `p`, or nullptr.
@@ -366,7 +373,7 @@ class alignas(64) allocation_shard {
   std::array<std::uint32_t, remembered_frees> recent_frees_ = filled_with_no_record();
   std::size_t next_recent_free_ = 0;
   std::atomic<std::size_t> used_bytes_{0};  // written under the lock only (count_allocation)
-  std::size_t peak_used_bytes_ = 0;         // this shard's own most
+  std::atomic<std::size_t> bytes_at_last_sum_{0};  // see count_allocation and mark_summed
 
   static constexpr std::array<std::uint32_t, remembered_frees> filled_with_no_record() {
     std::array<std::uint32_t, remembered_frees> ring{};
