@@ -8,7 +8,10 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <condition_variable>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -53,8 +56,10 @@ TEST_CASE("statistics: bad input and failures count nothing") {
 }
 
 TEST_CASE("statistics: nested scopes see their own phase") {
+  const bool exact = GENERATE(false, true);
+  CAPTURE(exact);
   host_resource host;
-  statistics_adaptor counted{host};
+  statistics_adaptor counted{host, {.exact_peak = exact}};
   void* before = counted.allocate(1000);
   statistics_adaptor::scope outer{counted};
   void* x = counted.allocate(200);
@@ -81,6 +86,166 @@ TEST_CASE("statistics: nested scopes see their own phase") {
   CHECK(o.live_allocations() == 0);
   counted.deallocate(before, 1000);
   CHECK(counted.counters().peak_bytes == 1700);
+}
+
+TEST_CASE("statistics: a scope opened below an earlier peak sees its own") {
+  const bool exact = GENERATE(false, true);
+  CAPTURE(exact);
+  host_resource host;
+  statistics_adaptor counted{host, {.exact_peak = exact}};
+  void* big = counted.allocate(5000);
+  counted.deallocate(big, 5000);
+  void* kept = counted.allocate(100);
+  statistics_adaptor::scope phase{counted};  // opens at 100 in use, far below the peak
+  void* a = counted.allocate(300);
+  void* b = counted.allocate(200);
+  counted.deallocate(a, 300);
+  CHECK(phase.counters().peak_bytes == 500);  // a and b together
+  CHECK(phase.counters().current_bytes == 200);
+  counted.deallocate(b, 200);
+  counted.deallocate(kept, 100);
+  CHECK(counted.counters().peak_bytes == 5000);
+}
+
+namespace {
+
+/// A thread that runs what it is given, one job at a time, and waits for each: two of them
+/// take turns, so their requests never overlap, and each keeps its own counter slot.
+class turn_taker {
+ public:
+  turn_taker() : thread_([this] { serve(); }) {}
+  ~turn_taker() {
+    run(nullptr);
+    thread_.join();
+  }
+  turn_taker(const turn_taker&) = delete;
+  turn_taker& operator=(const turn_taker&) = delete;
+
+  /// Runs `job` on this thread and returns when it is done (nullptr: stop).
+  void run(std::function<void()> job) {
+    std::unique_lock lock(mutex_);
+    job_ = std::move(job);
+    pending_ = true;
+    changed_.notify_all();
+    changed_.wait(lock, [this] { return !pending_; });
+  }
+
+ private:
+  void serve() {
+    for (;;) {
+      std::unique_lock lock(mutex_);
+      changed_.wait(lock, [this] { return pending_; });
+      if (!job_) {
+        pending_ = false;
+        changed_.notify_all();
+        return;
+      }
+      job_();
+      pending_ = false;
+      changed_.notify_all();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  std::function<void()> job_;
+  bool pending_ = false;
+  std::thread thread_;  // last: starts once the members above exist
+};
+
+}  // namespace
+
+TEST_CASE("statistics: the peak is exact when threads take turns, frees across threads too") {
+  host_resource host;
+  statistics_adaptor counted{host};
+  turn_taker a;
+  turn_taker b;
+  void* a1 = nullptr;
+  void* b1 = nullptr;
+  void* a2 = nullptr;
+  void* b2 = nullptr;
+  a.run([&] { a1 = counted.allocate(1000); });
+  a.run([&] { counted.deallocate(a1, 1000); });  // a is now below the most it held
+  b.run([&] { b1 = counted.allocate(500); });
+  CHECK(counted.counters().peak_bytes == 1000);
+  // The total passes the peak through a thread that is below its own most: must be seen.
+  a.run([&] { a2 = counted.allocate(800); });
+  CHECK(counted.counters().peak_bytes == 1300);
+  // b frees what a allocated: b's balance goes negative, and a new peak comes from b.
+  b.run([&] {
+    counted.deallocate(a2, 800);
+    b2 = counted.allocate(1200);
+  });
+  CHECK(counted.counters().current_bytes == 1700);
+  CHECK(counted.counters().peak_bytes == 1700);
+  a.run([&] { counted.deallocate(b1, 500); });
+  b.run([&] { counted.deallocate(b2, 1200); });
+  const allocation_counters c = counted.counters();
+  CHECK(c.current_bytes == 0);
+  CHECK(c.peak_bytes == 1700);
+  CHECK(c.allocations == 4);
+  CHECK(c.deallocations == 4);
+}
+
+TEST_CASE("statistics: exact_peak never passes a budget, even with frees racing allocations") {
+  host_resource host;
+  constexpr std::size_t budget = 64 * 4;
+  limiting_adaptor capped{host, budget};
+  statistics_adaptor counted{capped, {.exact_peak = true}};
+  // Producers allocate, consumers free what they were handed: every thread's own balance
+  // runs far from zero, and frees race allocations all the time.
+  std::mutex handed_mutex;
+  std::vector<void*> handed;
+  std::atomic<bool> producing{true};
+  std::vector<std::thread> workers;
+  for (int t = 0; t < 2; ++t) {
+    workers.emplace_back([&] {
+      for (int i = 0; i < 5000; ++i) {
+        try {
+          void* p = counted.allocate(64);
+          const std::lock_guard lock(handed_mutex);
+          handed.push_back(p);
+        } catch (const out_of_memory&) {  // the budget is full: the consumers will free some
+          std::this_thread::yield();
+        }
+      }
+    });
+  }
+  std::vector<std::thread> consumers;
+  for (int t = 0; t < 2; ++t) {
+    consumers.emplace_back([&] {
+      for (;;) {
+        void* p = nullptr;
+        {
+          const std::lock_guard lock(handed_mutex);
+          if (!handed.empty()) {
+            p = handed.back();
+            handed.pop_back();
+          }
+        }
+        if (p != nullptr) {
+          counted.deallocate(p, 64);
+        } else if (!producing.load()) {
+          return;
+        } else {
+          std::this_thread::yield();
+        }
+      }
+    });
+  }
+  for (auto& w : workers) {
+    w.join();
+  }
+  producing.store(false);
+  for (auto& c : consumers) {
+    c.join();
+  }
+  const allocation_counters c = counted.counters();
+  CHECK(c.peak_bytes <= budget);
+  CHECK(c.peak_bytes >= 64);
+  CHECK(c.current_bytes == 0);
+  CHECK(c.allocations == c.deallocations);
+  CHECK(capped.used_bytes() == 0);
 }
 
 TEST_CASE("statistics: many threads, exact totals") {
