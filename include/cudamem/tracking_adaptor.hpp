@@ -260,9 +260,8 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
       const std::lock_guard lock(shard.mutex());
       detail::tracked_allocation& entry = shard.add(p, bytes, alignment_log2, was_live);
       if (was_live) [[unlikely]] {
-        shard_past_mark = shard.count_allocation(bytes, entry.bytes);
         displaced = copy_of(entry);
-        entry.pointer = p;
+        shard_past_mark = shard.count_allocation(bytes, entry.bytes);
         entry.bytes = bytes;
         entry.alignment_log2 = alignment_log2;
       } else {

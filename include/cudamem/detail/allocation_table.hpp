@@ -1,7 +1,8 @@
 // cudamem/detail/allocation_table.hpp — the tracking adaptor's record of live allocations:
-// a table from pointer to a compact 64-byte record, split into lock-striped shards so that
-// threads freeing different pointers rarely meet, and each shard an open-addressing hash
-// table so that a lookup touches one or two cache lines and no node is allocated per entry.
+// a table from pointer to a 64-byte record, split into lock-striped shards so that threads
+// freeing different pointers rarely meet, and each shard an open-addressing hash table of the
+// records themselves, so that a lookup touches one cache line and no node is allocated per
+// entry.
 //
 //   detail::allocation_shard& shard = table.shard_for(p);
 //   const std::lock_guard lock(shard.mutex());
@@ -16,14 +17,15 @@
 //   ARM virtual counter; steady_clock elsewhere). Ticks become nanoseconds only when a report
 //   is written (`tick_calibration`), so the hot path never pays for a clock call.
 // - `tracked_allocation`: what is stored per allocation, trivially copyable, one cache line.
-// - `allocation_shard`: a linear-probing table of small keys (pointer, bytes, alignment,
-//   record index) kept at most half full, deleted from by backward shift (no tombstones, so a
-//   table that sees millions of allocate/free pairs never degrades); the full records beside
-//   it, in slots that do not move; and a ring of the shard's recent frees for telling a
-//   double free from a stray pointer. A pointer always maps to the same shard, so its frees
-//   are remembered exactly where a second free will look. Arrays grow by doubling, the only
-//   host allocation (amortised, never per request); a free checks and removes a pointer
-//   touching one cache line of keys, which is what keeps large live sets fast.
+// - `allocation_shard`: a linear-probing table of those records themselves, kept at most half
+//   full and deleted from by backward shift (no tombstones, so a table that sees millions of
+//   allocate/free pairs never degrades); and a ring of copies of the shard's last frees, for
+//   telling a double free from a stray pointer. The record is in the table, not behind an
+//   index, so an allocate or a free touches one line of the table (a hash table's lookup of a
+//   random pointer is a cache miss once the table outgrows L1: there should be one, not two).
+//   A pointer always maps to the same shard, so its frees are remembered exactly where a
+//   second free will look. The table grows by doubling, the only host allocation (amortised,
+//   never per request).
 // - Bytes in use are counted per shard, under the lock the shard already holds: a plain
 //   add, not an atomic one on a line every thread writes. Readers add the shards up.
 // - `next_allocation_sequence()`: a per-thread counter, for ordering records without a
@@ -39,7 +41,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <new>
 #include <source_location>
 #include <thread>
 #include <type_traits>
@@ -104,7 +105,8 @@ inline std::uint64_t next_allocation_sequence() noexcept {
 }
 
 /// One live (or recently freed) allocation, as the tracking adaptor keeps it: one cache line
-/// exactly, so a lookup that finds its entry touches one line.
+/// exactly, so a lookup that finds its entry touches one line. `pointer == nullptr`: an empty
+/// slot of the table.
 struct alignas(64) tracked_allocation {
   void* pointer = nullptr;  ///< nullptr: an empty slot
   std::size_t bytes = 0;
@@ -118,7 +120,8 @@ struct alignas(64) tracked_allocation {
 
   [[nodiscard]] std::size_t alignment() const noexcept { return std::size_t{1} << alignment_log2; }
 };
-// Copied under a lock on every allocate and free: it must stay plain data, one cache line.
+// Moved within the table and copied into the ring of frees under a lock: it must stay plain
+// data, one cache line.
 static_assert(std::is_trivially_copyable_v<tracked_allocation>);
 static_assert(sizeof(tracked_allocation) == 64);
 
@@ -136,15 +139,16 @@ enum class release_result {
   unknown,        ///< never seen (or freed long ago)
 };
 
-/// One lock stripe of the table. Every member but the lock is guarded by the lock.
+/// One lock stripe of the table. Every member but the lock is guarded by the lock (bytes in
+/// use and the mark may also be read without it).
 ///
-/// Two arrays, so that the hot path touches as few cache lines as it can:
-/// - `keys_`, the hash table proper: pointer, bytes, alignment and where the full record is,
-///   32 bytes a slot. A free is checked and removed using this line alone.
-/// - `records_`, the full records, each in a slot of its own that never moves while the
-///   allocation lives. A freed record is not reused at once: its index goes into a ring of the
-///   shard's last `remembered_frees` frees (which is how a double free is recognised, record
-///   and all), and only when it falls out of the ring is it handed to a new allocation.
+/// Two arrays side by side, slot i of one beside slot i of the other:
+/// - `keys_`, what a lookup probes: pointer, bytes and alignment, 16 bytes a slot, so four
+///   slots share a cache line and a thousand live allocations fit in the CPU's L1 cache. A
+///   free is found and checked (bytes, alignment) from this array alone.
+/// - `records_`, the whole record (site, stream, thread...), 64 bytes a slot. An allocation
+///   writes it (a store, which the CPU does not wait for); a free copies it into the ring of
+///   recent frees (a read nothing after it waits for).
 class alignas(64) allocation_shard {
  public:
   /// Frees remembered per shard, to recognise a double free.
@@ -184,59 +188,59 @@ class alignas(64) allocation_shard {
 
   /// The live record of `p`, or nullptr.
   [[nodiscard]] tracked_allocation* find(const void* p) noexcept {
-    const live_key* key = find_key(p);
-    return key == nullptr ? nullptr : &records_[key->record];
+    const std::size_t i = slot_of(p);
+    return i == no_slot ? nullptr : &records_[i];
   }
 
-  /// The record for the new allocation `p`, with pointer, bytes and alignment set; the caller
-  /// fills in the rest (straight into the table: no copy of a record on the way). If `p` is
-  /// already live, `was_live` is set and the record still holds the old entry until the
-  /// caller overwrites it. Throws std::bad_alloc (leaving the shard as it was) only when the
-  /// shard must grow and cannot.
+  /// Records the new allocation `p` of `bytes` with alignment 2^`alignment_log2` and returns
+  /// its record, pointer, bytes and alignment set; the caller fills in the rest (straight
+  /// into the table: no copy of a record on the way). If `p` is already live, `was_live` is
+  /// set and the record still holds the old allocation until the caller overwrites it (the
+  /// caller does). Throws std::bad_alloc (leaving the shard as it was) only when the table
+  /// must grow and cannot.
   tracked_allocation& add(void* p, std::size_t bytes, std::uint8_t alignment_log2,
                           bool& was_live) {
-    // Everything that can throw comes first, so a failure changes nothing.
-    if ((size_ + 1) * 2 > keys_.size()) {
-      grow_keys();
-    }
-    if (reusable_.empty() && records_.size() == records_.capacity()) {
-      grow_records();
+    if ((size_ + 1) * 2 > keys_.size()) {  // first: a failure to grow changes nothing
+      grow();
     }
     std::size_t i = home_of(p);
+    prefetch_record(i);
     while (keys_[i].pointer != nullptr && keys_[i].pointer != p) {
       i = (i + 1) & mask_;
     }
-    live_key& key = keys_[i];
-    was_live = key.pointer != nullptr;
+    was_live = keys_[i].pointer != nullptr;
     if (!was_live) {
-      key.pointer = p;
-      key.record = take_record();
       ++size_;
+      records_[i].pointer = p;
+      records_[i].bytes = bytes;
+      records_[i].alignment_log2 = alignment_log2;
     }
-    key.bytes = bytes;
-    key.alignment_log2 = alignment_log2;
-    tracked_allocation& record = records_[key.record];
-    if (!was_live) {
-      record.pointer = p;
-      record.bytes = bytes;
-      record.alignment_log2 = alignment_log2;
-    }
-    return record;
+    keys_[i] = {p, pack(bytes, alignment_log2)};
+    return records_[i];
   }
 
   /// Frees `p` from the record if it is live with these bytes and alignment; otherwise says
-  /// why not (and find / find_recent_free give the record concerned).
+  /// why not (and find / find_recent_free give the record concerned). `alignment_log2` above
+  /// 63 stands for an alignment that is not a power of two: no allocation has it.
   release_result release(const void* p, std::size_t bytes, std::uint8_t alignment_log2) noexcept {
-    live_key* key = find_key(p);
-    if (key == nullptr) [[unlikely]] {
+    if (!keys_.empty()) {
+      prefetch_record(home_of(p));
+    }
+    const std::size_t i = slot_of(p);
+    if (i == no_slot) [[unlikely]] {
       return find_recent_free(p) != nullptr ? release_result::double_free
                                             : release_result::unknown;
     }
-    if (key->bytes != bytes || key->alignment_log2 != alignment_log2) [[unlikely]] {
+    const bool matches = keys_[i].bytes_and_alignment != oversized
+                             ? keys_[i].bytes_and_alignment == pack(bytes, alignment_log2)
+                             : records_[i].bytes == bytes &&
+                                   records_[i].alignment_log2 == alignment_log2;
+    if (!matches || alignment_log2 > 63) [[unlikely]] {
       return release_result::size_mismatch;
     }
-    remember_free(key->record);
-    erase(key);
+    recent_frees_[next_recent_free_ % remembered_frees] = records_[i];
+    ++next_recent_free_;
+    erase(i);
     used_bytes_.store(used_bytes_.load(std::memory_order_relaxed) - bytes,
                       std::memory_order_relaxed);  // under the lock: see count_allocation
     return release_result::freed;
@@ -247,9 +251,10 @@ class alignas(64) allocation_shard {
     // Newest first: the ring's order is the shard's order of frees (sequence numbers are
     // per thread, so they cannot tell which of two threads' frees came last).
     for (std::size_t back = 1; back <= remembered_frees; ++back) {
-      const std::uint32_t index = recent_frees_[(next_recent_free_ - back) % remembered_frees];
-      if (index != no_record && records_[index].pointer == p) {
-        return &records_[index];
+      const tracked_allocation& freed =
+          recent_frees_[(next_recent_free_ - back) % remembered_frees];
+      if (freed.pointer == p && p != nullptr) {
+        return &freed;
       }
     }
     return nullptr;
@@ -258,53 +263,72 @@ class alignas(64) allocation_shard {
   /// Calls `visit(record)` for every live allocation.
   template <class Visit>
   void for_each(Visit&& visit) const {
-    for (const live_key& key : keys_) {
-      if (key.pointer != nullptr) {
-        visit(records_[key.record]);
+    for (std::size_t i = 0; i < keys_.size(); ++i) {
+      if (keys_[i].pointer != nullptr) {
+        visit(records_[i]);
       }
     }
   }
 
  private:
   static constexpr unsigned shard_bits = 4;  // 16 shards: see allocation_table
-  static constexpr std::uint32_t no_record = ~std::uint32_t{0};
+  static constexpr std::size_t no_slot = ~std::size_t{0};
 
-  struct alignas(32) live_key {  // two to a cache line, none across two
-    void* pointer = nullptr;  // nullptr: an empty slot
-    std::size_t bytes = 0;
-    std::uint32_t record = 0;  // index into records_
-    std::uint8_t alignment_log2 = 0;
+  struct live_key {
+    const void* pointer = nullptr;          // nullptr: an empty slot
+    std::uint64_t bytes_and_alignment = 0;  // pack(): bytes above, alignment_log2 below
   };
+  static_assert(sizeof(live_key) == 16);
+
+  /// Bytes and the alignment's log2 in one word, so that a free checks both with one compare.
+  /// Allocations of 2^58 bytes or more (none on any device today) do not fit: `oversized`
+  /// says their bytes are in the record.
+  static constexpr std::uint64_t oversized = ~std::uint64_t{0};
+  static std::uint64_t pack(std::size_t bytes, std::uint8_t alignment_log2) noexcept {
+    return bytes < (std::uint64_t{1} << 58) ? (std::uint64_t{bytes} << 6) | (alignment_log2 & 63u)
+                                            : oversized;
+  }
 
   [[nodiscard]] std::size_t home_of(const void* p) const noexcept {
     return static_cast<std::size_t>(hash_pointer(p) >> (64 - shard_bits - table_bits_)) & mask_;
   }
 
-  [[nodiscard]] live_key* find_key(const void* p) noexcept {
+  /// Starts loading the record in slot `i` (where an entry usually is: at its home) while the
+  /// key is probed, so that the two cache misses of a lookup overlap instead of following one
+  /// another.
+  void prefetch_record(std::size_t i) const noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(&records_[i], 1);
+#else
+    (void)i;
+#endif
+  }
+
+  [[nodiscard]] std::size_t slot_of(const void* p) const noexcept {
     if (keys_.empty()) {
-      return nullptr;
+      return no_slot;
     }
     for (std::size_t i = home_of(p);; i = (i + 1) & mask_) {
       if (keys_[i].pointer == p) {
-        return &keys_[i];
+        return i;
       }
       if (keys_[i].pointer == nullptr) {
-        return nullptr;
+        return no_slot;
       }
     }
   }
 
-  /// Removes `found`. Later keys of its probe run move back into the hole, so lookups never
-  /// need tombstones. (Only keys move: records stay where they are.)
-  void erase(live_key* found) noexcept {
-    auto hole = static_cast<std::size_t>(found - keys_.data());
+  /// Empties slot `hole`. Later entries of its probe run move back into the hole, so lookups
+  /// never need tombstones.
+  void erase(std::size_t hole) noexcept {
     for (std::size_t next = (hole + 1) & mask_; keys_[next].pointer != nullptr;
          next = (next + 1) & mask_) {
       const std::size_t home = home_of(keys_[next].pointer);
-      // The key may move back to the hole if the hole is not before its home slot
+      // The entry may move back to the hole if the hole is not before its home slot
       // (cyclically): its distance from home is at least its distance from the hole.
       if (((next - home) & mask_) >= ((next - hole) & mask_)) {
         keys_[hole] = keys_[next];
+        records_[hole] = records_[next];
         hole = next;
       }
     }
@@ -312,74 +336,39 @@ class alignas(64) allocation_shard {
     --size_;
   }
 
-  /// A record slot for a new allocation: one that fell out of the recent-free ring, else a
-  /// new one (add() made sure there is room, so this cannot throw).
-  std::uint32_t take_record() noexcept {
-    if (!reusable_.empty()) {
-      const std::uint32_t index = reusable_.back();
-      reusable_.pop_back();
-      return index;
-    }
-    records_.emplace_back();
-    return static_cast<std::uint32_t>(records_.size() - 1);
-  }
-
-  /// Puts a freed record in the ring; the one it pushes out becomes reusable. `reusable_`
-  /// has room for every record (grow_records), so this cannot throw.
-  void remember_free(std::uint32_t index) noexcept {
-    std::uint32_t& oldest = recent_frees_[next_recent_free_ % remembered_frees];
-    if (oldest != no_record) {
-      reusable_.push_back(oldest);
-    }
-    oldest = index;
-    ++next_recent_free_;
-  }
-
-  void grow_keys() {
-    const unsigned bits = keys_.empty() ? 6 : table_bits_ + 1;  // 64 slots to start
-    std::vector<live_key> old(std::size_t{1} << bits);
-    old.swap(keys_);  // the only step that can throw is done: nothing below can
+  void grow() {
+    const unsigned bits = keys_.empty() ? 4 : table_bits_ + 1;  // 16 slots to start
+    std::vector<live_key> keys(std::size_t{1} << bits);
+    std::vector<tracked_allocation> records(keys.size());
+    // Both allocated: nothing below can throw.
+    keys.swap(keys_);
+    records.swap(records_);
     table_bits_ = bits;
     mask_ = keys_.size() - 1;
-    for (const live_key& key : old) {
-      if (key.pointer != nullptr) {
-        std::size_t i = home_of(key.pointer);
+    for (std::size_t old = 0; old < keys.size(); ++old) {
+      if (keys[old].pointer != nullptr) {
+        std::size_t i = home_of(keys[old].pointer);
         while (keys_[i].pointer != nullptr) {
           i = (i + 1) & mask_;
         }
-        keys_[i] = key;
+        keys_[i] = keys[old];
+        records_[i] = records[old];
       }
     }
-  }
-
-  void grow_records() {
-    const std::size_t capacity = records_.empty() ? 64 : 2 * records_.capacity();
-    if (capacity > no_record) {
-      throw std::bad_alloc{};
-    }
-    reusable_.reserve(capacity);  // first: if the next throws, a larger reserve is harmless
-    records_.reserve(capacity);
   }
 
   friend class allocation_table;
 
   spin_lock mutex_;
-  std::vector<live_key> keys_;  // a power of two long, at most half full
   std::size_t size_ = 0;
   std::size_t mask_ = 0;
   unsigned table_bits_ = 0;
-  std::vector<tracked_allocation> records_;  // never shrinks; reserved ahead (grow_records)
-  std::vector<std::uint32_t> reusable_;      // record slots free for new allocations
-  std::array<std::uint32_t, remembered_frees> recent_frees_ = filled_with_no_record();
-  std::size_t next_recent_free_ = 0;
-  std::atomic<std::size_t> used_bytes_{0};  // written under the lock only (count_allocation)
+  std::vector<live_key> keys_;               // a power of two long, at most half full
+  std::vector<tracked_allocation> records_;  // as long as keys_: records_[i] is keys_[i]'s
+  std::atomic<std::size_t> used_bytes_{0};   // written under the lock only (count_allocation)
   std::atomic<std::size_t> bytes_at_last_sum_{0};  // see count_allocation and mark_summed
-
-  static constexpr std::array<std::uint32_t, remembered_frees> filled_with_no_record() {
-    std::array<std::uint32_t, remembered_frees> ring{};
-    ring.fill(no_record);
-    return ring;
-  }
+  std::size_t next_recent_free_ = 0;
+  std::array<tracked_allocation, remembered_frees> recent_frees_{};  // a ring, oldest overwritten
 };
 
 /// The shards together. 16 stripes: enough that a handful of threads rarely wait on each
