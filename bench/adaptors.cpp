@@ -13,6 +13,11 @@
 // reads the CPU's tick counter per allocation), logging (to a stream that discards: the cost
 // of formatting and locking, not of a disk), retry — each alone over the pool; and the chain
 // tracking -> statistics -> limiting -> pool.
+// Then the multi-thread trace (mt16: 16 threads, each its own trace, over one pool with a shard
+// per hardware thread, CPU only): wall time per operation over all threads, for the pool alone,
+// statistics (per-thread counters), statistics with exact_peak (one counter every thread
+// writes) and tracking (its 16 shard locks: a second thread ends the one-owner fast path) —
+// what each costs when threads share the adaptor.
 #include <cudamem/device.hpp>
 #include <cudamem/device_resource.hpp>
 #include <cudamem/limiting_adaptor.hpp>
@@ -27,6 +32,7 @@
 #include "traces.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <functional>
@@ -35,6 +41,8 @@
 #include <ostream>
 #include <streambuf>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -163,6 +171,84 @@ void measure(const char* title, memory_resource& pool, std::optional<cudamem::st
   keep.clear();
 }
 
+/// Wall ns per operation of every thread of `spec` replaying its own trace through `mr` at once.
+double threaded_replay_ns(const std::vector<cudamem_bench::trace>& traces, memory_resource& mr) {
+  std::size_t ops = 0;
+  for (const cudamem_bench::trace& t : traces) {
+    ops += t.ops.size();
+  }
+  std::atomic<std::size_t> ready{0};
+  std::atomic<bool> go{false};
+  std::vector<std::thread> threads;
+  for (const cudamem_bench::trace& t : traces) {
+    threads.emplace_back([&, &t = t] {
+      std::vector<void*> slots(t.blocks);
+      ready.fetch_add(1);
+      while (!go.load(std::memory_order_acquire)) {
+        std::this_thread::yield();
+      }
+      cudamem_bench::replay(
+          t, slots, [&](std::size_t n) { return mr.allocate(n); },
+          [&](void* p, std::size_t n) { mr.deallocate(p, n); });
+    });
+  }
+  while (ready.load() != traces.size()) {
+    std::this_thread::yield();
+  }
+  const auto start = std::chrono::steady_clock::now();
+  go.store(true, std::memory_order_release);
+  for (std::thread& t : threads) {
+    t.join();
+  }
+  const auto end = std::chrono::steady_clock::now();
+  return std::chrono::duration<double, std::nano>(end - start).count() / static_cast<double>(ops);
+}
+
+/// The multi-thread trace through the pool and the adaptors that count on every thread.
+void measure_threads(int repeat) {
+  cudamem::simulated_resource device{{.capacity = std::size_t{80} << 30,
+                                      .layout = cudamem::simulated_layout::paged}};
+  cudamem::pool_resource pool{device};  // a shard per hardware thread
+  cudamem::statistics_adaptor statistics{pool};
+  cudamem::statistics_adaptor exact{pool, {.exact_peak = true}};
+  cudamem::tracking_adaptor tracking{pool};
+  const std::vector<std::pair<const char*, memory_resource*>> stacks = {
+      {"pool", &pool},
+      {"statistics", &statistics},
+      {"statistics exact_peak", &exact},
+      {"tracking", &tracking}};
+  for (const cudamem_bench::trace_spec& spec : cudamem_bench::standard_traces()) {
+    if (spec.threads == 1) {
+      continue;
+    }
+    std::vector<cudamem_bench::trace> traces;
+    for (unsigned t = 0; t < spec.threads; ++t) {
+      traces.push_back(cudamem_bench::make_trace(spec, t));
+    }
+    std::printf("\n%s, %u threads at once over one pool (CPU; %u hardware threads here) — %d "
+                "interleaved rounds: median wall ns/op over all threads' operations\n",
+                spec.name.c_str(), spec.threads, std::thread::hardware_concurrency(), repeat);
+    std::vector<std::vector<double>> ns(stacks.size());
+    for (int round = -1; round < repeat; ++round) {
+      for (std::size_t k = 0; k < stacks.size(); ++k) {
+        const double v = threaded_replay_ns(traces, *stacks[k].second);
+        if (round >= 0) {
+          ns[k].push_back(v);
+        }
+      }
+    }
+    for (std::size_t k = 0; k < stacks.size(); ++k) {
+      std::vector<double> ratio;
+      for (int r = 0; r < repeat; ++r) {
+        ratio.push_back(ns[k][r] / ns[0][r]);
+      }
+      std::printf("%-22s %-22s %10.1f %7.2fx\n", spec.name.c_str(), stacks[k].first,
+                  median(ns[k]), median(ratio));
+    }
+    std::fflush(stdout);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -186,6 +272,7 @@ int main(int argc, char** argv) {
     measure("pool over a simulated 80 GiB device (CPU; synchronous forms)", pool, std::nullopt,
             repeat);
   }
+  measure_threads(repeat);
   if (cpu_only) {
     return 0;
   }

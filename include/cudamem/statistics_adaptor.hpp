@@ -11,6 +11,9 @@
 //   }
 //   auto all = counted.counters();        // since the adaptor was made
 //
+//   // Threads racing each other, and a peak that must be exact anyway (one atomic per request):
+//   cudamem::statistics_adaptor strict{pool, {.exact_peak = true}};
+//
 // Contract
 // - Every request is forwarded unchanged (same form: stream-ordered or synchronous). An
 //   allocation is counted after it succeeded (a failed one counts nothing, and its
@@ -34,16 +37,19 @@
 //   The peak is recomputed (balances added up) only when an allocation takes its thread's
 //   balance above what it was at the last such sum: if no balance is above its mark, the
 //   total is at most the last sum, which the peak already holds. A thread in steady state
-//   (allocating and freeing around a level it has reached before) never sums.
+//   (allocating and freeing around a level it has reached before) never sums. A thread whose
+//   balance only grows (it allocates what other threads free) sums at every allocation,
+//   reading lines the other threads write: about what the shared counter of `exact_peak`
+//   would cost it, and never worse for the threads that free.
 //   The first 64 threads that use an adaptor get a slot each (a thread that ends leaves its
 //   slot to the next thread given its id); further threads share one slot, updated with
 //   atomic adds (exact, a little slower).
 // - `scope` counts what passes through the adaptor, from any thread, between its construction
 //   and its destruction; scopes nest and overlap freely. Its `peak_bytes` is the most that
 //   `current_bytes` rose above its value when the scope opened (exact as the adaptor's peak
-//   is). Opening a scope sums the balances; while one is open, each sum that raises a peak
-//   also takes a mutex to raise the scopes'. A scope must not outlive its adaptor; it is
-//   neither copyable nor movable.
+//   is). Opening a scope sums the balances; while one is open, each sum also takes a mutex to
+//   raise the scopes' peaks. A scope must not outlive its adaptor; it is neither copyable nor
+//   movable.
 // - `stats()` reports the bytes in use through this adaptor as both reserved and used (an
 //   adaptor holds nothing of its own), so a `memory_report` shows what passed through here.
 #pragma once

@@ -41,22 +41,30 @@
 // - Thread-safe: the record is split into 16 shards by pointer, each with its own lock, so
 //   threads freeing different pointers rarely wait for each other; the upstream is called
 //   outside every lock. Sequence numbers follow the order of allocation within a thread.
-// - stats(): `used_bytes` is exact (the shards' counts added up). `peak_used_bytes` is
-//   recomputed (the shards added up) whenever an allocation takes its shard above what the
-//   shard held at the last such sum, and at every stats() call. For one thread that is exact:
-//   the total can pass the peak only through a shard that passes its mark. With several
-//   threads allocating at once a sum may miss bytes another thread is adding, so the peak
-//   may be a little below the true one; it never exceeds it. (An exact peak under threads
-//   needs one counter every thread writes: the cost removed.)
-// - Cost (per request, on top of the upstream): one shard lock, one or two cache lines of an
-//   open-addressing table, and the CPU's tick counter if timestamps are on (turned into time
-//   only for a report). No other atomic instruction: bytes in use are counted per shard under
-//   its lock, sequence numbers per thread. No host memory is allocated per request: a
-//   shard's table grows by doubling, and that is all.
+// - One thread skips the locks: the first thread that uses the adaptor owns it, and takes no
+//   shard lock until another thread touches the record (a request, or leaks(), find(),
+//   live_count() from another thread). That thread waits, once, for the owner to finish the
+//   request it is in, and from then on every thread locks (detail/owner_bias.hpp: a Linux
+//   membarrier call, microseconds, once per adaptor; elsewhere every thread always locks).
+//   `owned_by_one_thread()` says which it is. stats() and bad_frees() never take a lock.
+// - stats(): `used_bytes` is the shards' counts added up. `peak_used_bytes` is recomputed
+//   (the shards added up) whenever an allocation takes its shard above what the shard held at
+//   the last such sum, and at every stats() call. When requests do not overlap in time (one
+//   thread, or threads taking turns) that is exact: the total can pass the peak only through
+//   a shard that passes its mark. Requests that overlap a sum can move it by at most the
+//   bytes they carry, either way. (An exact peak under any concurrency needs one counter that
+//   every thread writes: the cost removed. `statistics_options::exact_peak` offers it.)
+// - Cost (per request, on top of the upstream): one shard lock (none for the owning thread),
+//   one cache line of keys (16 bytes each: a thousand live allocations fit in L1) and one of
+//   records, and the CPU's tick counter if timestamps are on (turned into time only for a
+//   report). No other atomic instruction: bytes in use are counted per shard under its lock,
+//   sequence numbers per thread. No host memory is allocated per request: a shard's table
+//   grows by doubling, and that is all.
 #pragma once
 
 #include <cudamem/detail/adaptor_base.hpp>
 #include <cudamem/detail/allocation_table.hpp>
+#include <cudamem/detail/owner_bias.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
@@ -174,7 +182,7 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
     const double ns_per_tick = clock_.nanoseconds_per_tick();
     for (std::size_t i = 0; i < detail::allocation_table::shard_count; ++i) {
       detail::allocation_shard& shard = table_.shard(i);
-      const std::lock_guard lock(shard.mutex());
+      const detail::biased_lock_guard guard(bias_, shard.mutex());
       report.leaks.reserve(report.leaks.size() + shard.size());
       shard.for_each([&](const detail::tracked_allocation& entry) {
         report.leaks.push_back(to_record(entry, ns_per_tick));
@@ -196,7 +204,7 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
     detail::allocation_shard& shard = table_.shard_for(p);
     detail::tracked_allocation entry;
     {
-      const std::lock_guard lock(shard.mutex());
+      const detail::biased_lock_guard guard(bias_, shard.mutex());
       const detail::tracked_allocation* found = shard.find(p);
       if (found == nullptr) {
         return std::nullopt;
@@ -211,11 +219,15 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
     std::size_t count = 0;
     for (std::size_t i = 0; i < detail::allocation_table::shard_count; ++i) {
       detail::allocation_shard& shard = table_.shard(i);
-      const std::lock_guard lock(shard.mutex());
+      const detail::biased_lock_guard guard(bias_, shard.mutex());
       count += shard.size();
     }
     return count;
   }
+
+  /// True while one thread has used this adaptor's record and skips its locks (see the
+  /// contract); false once a second thread has, or where the system cannot support it.
+  [[nodiscard]] bool owned_by_one_thread() const noexcept { return bias_.owned(); }
 
   /// How many bad frees (stray pointer, double free, size mismatch) have been reported.
   [[nodiscard]] std::size_t bad_frees() const noexcept {
@@ -257,7 +269,7 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
     bool shard_past_mark = false;
     detail::allocation_shard& shard = table_.shard_for(p);
     try {
-      const std::lock_guard lock(shard.mutex());
+      const detail::biased_lock_guard guard(bias_, shard.mutex());
       detail::tracked_allocation& entry = shard.add(p, bytes, alignment_log2, was_live);
       if (was_live) [[unlikely]] {
         displaced = copy_of(entry);
@@ -329,15 +341,11 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
   void adapt_deallocate(void* p, std::size_t bytes, std::size_t alignment,
                         detail::request_stream stream) noexcept {
     using detail::release_result;
-    // A wrong alignment need not be a power of two: give it a log2 that no record has.
-    const auto alignment_log2 = static_cast<std::uint8_t>(
-        alignment != 0 && (alignment & (alignment - 1)) == 0 ? std::countr_zero(alignment)
-                                                             : 0xff);
     release_result found;
     detail::allocation_shard& shard = table_.shard_for(p);
     {
-      const std::lock_guard lock(shard.mutex());
-      found = shard.release(p, bytes, alignment_log2);
+      const detail::biased_lock_guard guard(bias_, shard.mutex());
+      found = shard.release(p, bytes, alignment);
     }
     if (found == release_result::freed) [[likely]] {
       forward_deallocate(p, bytes, alignment, stream);
@@ -356,7 +364,7 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
     bad_frees_.fetch_add(1, std::memory_order_relaxed);
     std::optional<detail::tracked_allocation> entry;
     {
-      const std::lock_guard lock(shard.mutex());
+      const detail::biased_lock_guard guard(bias_, shard.mutex());
       const detail::tracked_allocation* record = found == release_result::size_mismatch
                                                      ? shard.find(p)
                                                      : shard.find_recent_free(p);
@@ -431,12 +439,14 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
   }
 
   // Speed: the record is sharded by pointer (detail::allocation_table), so an allocate or a
-  // free takes one shard's lock and touches one or two of its cache lines; no host memory is
-  // allocated per request (a shard's table only grows, by doubling). The shard lock is the
-  // only atomic instruction: bytes in use are counted per shard under it, sequence numbers
-  // per thread, and the peak is summed only when a shard passes its mark (count_allocation);
-  // the timestamp is the CPU's tick counter, not a clock call.
+  // free takes one shard's lock (unless its thread owns the adaptor: owner_bias) and touches
+  // one line of keys and one of records; no host memory is allocated per request (a shard's
+  // table only grows, by doubling). The shard lock is the only atomic instruction: bytes in
+  // use are counted per shard under it, sequence numbers per thread, and the peak is summed
+  // only when a shard passes its mark (count_allocation); the timestamp is the CPU's tick
+  // counter, not a clock call.
   bool timestamps_;
+  mutable detail::owner_bias bias_;  // the thread that uses this adaptor alone skips the locks
   detail::tick_calibration clock_;  // construction time, in both clocks
   detail::allocation_table table_;   // the live allocations, recent frees, bytes in use
   // Written rarely (a new peak, a bad free): kept off the line of the members above anyway.

@@ -10,6 +10,7 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cstdint>
 #include <chrono>
@@ -459,6 +460,67 @@ TEST_CASE("freed on another thread than the one that allocated") {
   CHECK(tracked.stats().used_bytes == 0);
   CHECK(tracked.stats().peak_used_bytes == std::size_t{rounds} * (32 + 33 + 34 + 35));
   CHECK(errors.messages().empty());
+}
+
+TEST_CASE("one thread owns the record without locks; a second thread arriving loses nothing") {
+  for (int round = 0; round < 10; ++round) {
+    host_resource host;
+    captured_errors errors;
+    tracking_adaptor tracked{host};
+    CHECK_FALSE(tracked.owned_by_one_thread());  // nobody has used it yet
+    void* first = tracked.allocate(64);
+    CHECK(tracked.owned_by_one_thread() == detail::asymmetric_fence_available());
+
+    // The owner (this thread) keeps a window of live allocations moving, while a second
+    // thread joins in at a different moment each round: its requests and leak reports revoke
+    // the owner's bias in the middle of the owner's work.
+    std::atomic<int> owner_progress{0};
+    std::atomic<std::size_t> newcomer_live_seen{0};
+    std::thread newcomer([&] {
+      while (owner_progress.load() < round * 300) {
+        std::this_thread::yield();
+      }
+      for (int i = 0; i < 2000; ++i) {
+        void* p = tracked.allocate(48, 16);
+        if (i % 100 == 0) {
+          newcomer_live_seen.store(std::max(newcomer_live_seen.load(), tracked.leaks().leaks.size()));
+        }
+        tracked.deallocate(p, 48, 16);
+      }
+    });
+    std::vector<void*> window;
+    std::size_t window_bytes = 0;
+    for (int i = 0; i < 6000; ++i) {
+      const std::size_t bytes = 32 + static_cast<std::size_t>(i % 7) * 16;
+      window.push_back(tracked.allocate(bytes));
+      window_bytes += bytes;
+      if (window.size() > 40) {  // free the oldest: entries leave from all over the table
+        const std::size_t oldest_bytes = 32 + static_cast<std::size_t>((i - 40) % 7) * 16;
+        tracked.deallocate(window.front(), oldest_bytes);
+        window_bytes -= oldest_bytes;
+        window.erase(window.begin());
+      }
+      owner_progress.store(i);
+    }
+    newcomer.join();
+    CHECK_FALSE(tracked.owned_by_one_thread());  // revoked for good
+    // Exactly the owner's window and `first` are live; every record is found; no bad free.
+    CHECK(tracked.live_count() == window.size() + 1);
+    CHECK(tracked.stats().used_bytes == window_bytes + 64);
+    for (void* p : window) {
+      CHECK(tracked.find(p).has_value());
+    }
+    CHECK(newcomer_live_seen.load() >= 1);
+    CHECK(tracked.bad_frees() == 0);
+    CHECK(errors.messages().empty());
+    for (std::size_t k = 0; k < window.size(); ++k) {
+      const int i = 6000 - static_cast<int>(window.size()) + static_cast<int>(k);
+      tracked.deallocate(window[k], 32 + static_cast<std::size_t>(i % 7) * 16);
+    }
+    tracked.deallocate(first, 64);
+    CHECK(tracked.live_count() == 0);
+    CHECK(host.stats().used_bytes == 0);
+  }
 }
 
 namespace {

@@ -143,16 +143,19 @@ enum class release_result {
 /// use and the mark may also be read without it).
 ///
 /// Two arrays side by side, slot i of one beside slot i of the other:
-/// - `keys_`, what a lookup probes: pointer, bytes and alignment, 16 bytes a slot, so four
-///   slots share a cache line and a thousand live allocations fit in the CPU's L1 cache. A
-///   free is found and checked (bytes, alignment) from this array alone.
-/// - `records_`, the whole record (site, stream, thread...), 64 bytes a slot. An allocation
-///   writes it (a store, which the CPU does not wait for); a free copies it into the ring of
-///   recent frees (a read nothing after it waits for).
+/// - `keys_`, what a lookup probes: pointer and bytes, 16 bytes a slot, so four slots share a
+///   cache line and a thousand live allocations fit in the CPU's L1 cache.
+/// - `records_`, the whole record (alignment, site, stream, thread...), 64 bytes a slot. An
+///   allocation writes it (a store, which the CPU does not wait for); a free reads it, to
+///   check the alignment and to copy it into the ring of recent frees. Its line is prefetched
+///   when the lookup starts, so that its miss overlaps the key's instead of following it.
 class alignas(64) allocation_shard {
  public:
   /// Frees remembered per shard, to recognise a double free.
   static constexpr std::size_t remembered_frees = 64;
+
+  /// Throws std::bad_alloc if there is no host memory for the first 16 slots.
+  allocation_shard() { grow(); }
 
   spin_lock& mutex() noexcept { return mutex_; }
 
@@ -188,7 +191,7 @@ class alignas(64) allocation_shard {
 
   /// The live record of `p`, or nullptr.
   [[nodiscard]] tracked_allocation* find(const void* p) noexcept {
-    const std::size_t i = slot_of(p);
+    const std::size_t i = slot_of(p, home_of(p));
     return i == no_slot ? nullptr : &records_[i];
   }
 
@@ -215,27 +218,22 @@ class alignas(64) allocation_shard {
       records_[i].bytes = bytes;
       records_[i].alignment_log2 = alignment_log2;
     }
-    keys_[i] = {p, pack(bytes, alignment_log2)};
+    keys_[i] = {p, bytes};
     return records_[i];
   }
 
   /// Frees `p` from the record if it is live with these bytes and alignment; otherwise says
-  /// why not (and find / find_recent_free give the record concerned). `alignment_log2` above
-  /// 63 stands for an alignment that is not a power of two: no allocation has it.
-  release_result release(const void* p, std::size_t bytes, std::uint8_t alignment_log2) noexcept {
-    if (!keys_.empty()) {
-      prefetch_record(home_of(p));
-    }
-    const std::size_t i = slot_of(p);
+  /// why not (and find / find_recent_free give the record concerned).
+  release_result release(const void* p, std::size_t bytes, std::size_t alignment) noexcept {
+    const std::size_t home = home_of(p);
+    prefetch_record(home);
+    const std::size_t i = slot_of(p, home);
     if (i == no_slot) [[unlikely]] {
       return find_recent_free(p) != nullptr ? release_result::double_free
                                             : release_result::unknown;
     }
-    const bool matches = keys_[i].bytes_and_alignment != oversized
-                             ? keys_[i].bytes_and_alignment == pack(bytes, alignment_log2)
-                             : records_[i].bytes == bytes &&
-                                   records_[i].alignment_log2 == alignment_log2;
-    if (!matches || alignment_log2 > 63) [[unlikely]] {
+    // (An alignment that is not a power of two equals no record's.)
+    if (keys_[i].bytes != bytes || records_[i].alignment() != alignment) [[unlikely]] {
       return release_result::size_mismatch;
     }
     recent_frees_[next_recent_free_ % remembered_frees] = records_[i];
@@ -275,19 +273,10 @@ class alignas(64) allocation_shard {
   static constexpr std::size_t no_slot = ~std::size_t{0};
 
   struct live_key {
-    const void* pointer = nullptr;          // nullptr: an empty slot
-    std::uint64_t bytes_and_alignment = 0;  // pack(): bytes above, alignment_log2 below
+    const void* pointer = nullptr;  // nullptr: an empty slot
+    std::size_t bytes = 0;
   };
   static_assert(sizeof(live_key) == 16);
-
-  /// Bytes and the alignment's log2 in one word, so that a free checks both with one compare.
-  /// Allocations of 2^58 bytes or more (none on any device today) do not fit: `oversized`
-  /// says their bytes are in the record.
-  static constexpr std::uint64_t oversized = ~std::uint64_t{0};
-  static std::uint64_t pack(std::size_t bytes, std::uint8_t alignment_log2) noexcept {
-    return bytes < (std::uint64_t{1} << 58) ? (std::uint64_t{bytes} << 6) | (alignment_log2 & 63u)
-                                            : oversized;
-  }
 
   [[nodiscard]] std::size_t home_of(const void* p) const noexcept {
     return static_cast<std::size_t>(hash_pointer(p) >> (64 - shard_bits - table_bits_)) & mask_;
@@ -304,11 +293,9 @@ class alignas(64) allocation_shard {
 #endif
   }
 
-  [[nodiscard]] std::size_t slot_of(const void* p) const noexcept {
-    if (keys_.empty()) {
-      return no_slot;
-    }
-    for (std::size_t i = home_of(p);; i = (i + 1) & mask_) {
+  /// Where `p` is (its probe run starts at `home`), or no_slot.
+  [[nodiscard]] std::size_t slot_of(const void* p, std::size_t home) const noexcept {
+    for (std::size_t i = home;; i = (i + 1) & mask_) {
       if (keys_[i].pointer == p) {
         return i;
       }
