@@ -15,9 +15,9 @@
 // tracking -> statistics -> limiting -> pool.
 // Then the multi-thread trace (mt16: 16 threads, each its own trace, over one pool with a shard
 // per hardware thread, CPU only): wall time per operation over all threads, for the pool alone,
-// statistics (per-thread counters), statistics with exact_peak (one counter every thread
-// writes) and tracking (its 16 shard locks: a second thread ends the one-owner fast path) —
-// what each costs when threads share the adaptor.
+// statistics (one counter of bytes in use that every thread adds to) and tracking (its 16
+// shard locks and that counter): what each costs when threads share the adaptor, where the
+// one-thread fast path is gone.
 #include <cudamem/device.hpp>
 #include <cudamem/device_resource.hpp>
 #include <cudamem/limiting_adaptor.hpp>
@@ -210,12 +210,10 @@ void measure_threads(int repeat) {
                                       .layout = cudamem::simulated_layout::paged}};
   cudamem::pool_resource pool{device};  // a shard per hardware thread
   cudamem::statistics_adaptor statistics{pool};
-  cudamem::statistics_adaptor exact{pool, {.exact_peak = true}};
   cudamem::tracking_adaptor tracking{pool};
   const std::vector<std::pair<const char*, memory_resource*>> stacks = {
       {"pool", &pool},
       {"statistics", &statistics},
-      {"statistics exact_peak", &exact},
       {"tracking", &tracking}};
   for (const cudamem_bench::trace_spec& spec : cudamem_bench::standard_traces()) {
     if (spec.threads == 1) {

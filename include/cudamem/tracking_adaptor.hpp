@@ -47,19 +47,15 @@
 //   request it is in, and from then on every thread locks (detail/owner_bias.hpp: a Linux
 //   membarrier call, microseconds, once per adaptor; elsewhere every thread always locks).
 //   `owned_by_one_thread()` says which it is. stats() and bad_frees() never take a lock.
-// - stats(): `used_bytes` is the shards' counts added up. `peak_used_bytes` is recomputed
-//   (the shards added up) whenever an allocation takes its shard above what the shard held at
-//   the last such sum, and at every stats() call. When requests do not overlap in time (one
-//   thread, or threads taking turns) that is exact: the total can pass the peak only through
-//   a shard that passes its mark. Requests that overlap a sum can move it by at most the
-//   bytes they carry, either way. (An exact peak under any concurrency needs one counter that
-//   every thread writes: the cost removed. `statistics_options::exact_peak` offers it.)
-// - Cost (per request, on top of the upstream): one shard lock (none for the owning thread),
-//   one cache line of keys (16 bytes each: a thousand live allocations fit in L1) and one of
-//   records, and the CPU's tick counter if timestamps are on (turned into time only for a
-//   report). No other atomic instruction: bytes in use are counted per shard under its lock,
-//   sequence numbers per thread. No host memory is allocated per request: a shard's table
-//   grows by doubling, and that is all.
+// - stats(): `used_bytes` and `peak_used_bytes` are exact, however threads race: one counter
+//   of bytes in use, updated with plain stores while one thread owns the adaptor and with an
+//   atomic add per request once threads share it.
+// - Cost (per request, on top of the upstream): for the owning thread no atomic instruction at
+//   all; once threads share the adaptor, one shard lock and one atomic add (bytes in use).
+//   One cache line of keys (16 bytes each: a thousand live allocations fit in L1) and one of
+//   records; the CPU's tick counter if timestamps are on (turned into time only for a
+//   report). Sequence numbers are counted per thread. No host memory is allocated per
+//   request: a shard's table grows by doubling, and that is all.
 #pragma once
 
 #include <cudamem/detail/adaptor_base.hpp>
@@ -266,18 +262,16 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
 
     std::unique_ptr<detail::tracked_allocation> displaced;  // an upstream bug's evidence
     bool was_live = false;
-    bool shard_past_mark = false;
     detail::allocation_shard& shard = table_.shard_for(p);
     try {
       const detail::biased_lock_guard guard(bias_, shard.mutex());
       detail::tracked_allocation& entry = shard.add(p, bytes, alignment_log2, was_live);
+      std::size_t added = bytes;
       if (was_live) [[unlikely]] {
         displaced = copy_of(entry);
-        shard_past_mark = shard.count_allocation(bytes, entry.bytes);
+        added -= entry.bytes;  // wraps if the old was larger: an add of the difference
         entry.bytes = bytes;
         entry.alignment_log2 = alignment_log2;
-      } else {
-        shard_past_mark = shard.count_allocation(bytes);
       }
       entry.stream = stream ? stream->get() : nullptr;
       entry.site = site;
@@ -285,12 +279,13 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
       entry.ticks = ticks;
       entry.sequence = sequence;
       entry.synchronous = !stream;
+      // Bytes in use: written with plain stores while this thread owns the adaptor, with an
+      // atomic add once threads share it (guard.owner() says which).
+      const std::size_t used = detail::add_to_counter(used_bytes_, added, guard.owner());
+      detail::raise_peak(peak_used_bytes_, used, guard.owner());
     } catch (...) {  // no host memory to grow the record: give the memory back, not lose it
       forward_deallocate(p, bytes, alignment, stream);
       throw;
-    }
-    if (shard_past_mark) [[unlikely]] {  // only then can the total be at a new peak
-      raise_peak();
     }
     if (was_live) [[unlikely]] {  // the upstream handed out a live pointer twice: its bug
       report_displaced(p, displaced.get());
@@ -300,20 +295,6 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
 
   // The cold paths live in functions of their own (never inlined), so that the hot paths
   // stay small: no message building, no 64-byte record on their stack frames.
-
-  /// The bytes in use: the shards' counts added up (relaxed loads, no locks). Each shard
-  /// remembers what it held at this sum (see allocation_shard::count_allocation).
-  [[nodiscard]] std::size_t sum_used_bytes() const noexcept {
-    std::size_t used = 0;
-    for (std::size_t i = 0; i < detail::allocation_table::shard_count; ++i) {
-      used += table_.shard(i).mark_summed();
-    }
-    return used;
-  }
-
-  [[gnu::noinline]] void raise_peak() const noexcept {
-    detail::raise_to(peak_used_bytes_, sum_used_bytes());
-  }
 
   /// A heap copy of `entry`, or nullptr if there is no memory for one.
   [[gnu::noinline]] static std::unique_ptr<detail::tracked_allocation> copy_of(
@@ -346,6 +327,9 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
     {
       const detail::biased_lock_guard guard(bias_, shard.mutex());
       found = shard.release(p, bytes, alignment);
+      if (found == release_result::freed) [[likely]] {
+        detail::add_to_counter(used_bytes_, std::size_t{0} - bytes, guard.owner());  // subtracts
+      }
     }
     if (found == release_result::freed) [[likely]] {
       forward_deallocate(p, bytes, alignment, stream);
@@ -432,26 +416,23 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
   std::string_view do_name() const noexcept override { return "tracking_adaptor"; }
   resource_stats do_stats() const override {
     resource_stats s;
-    s.reserved_bytes = s.used_bytes = sum_used_bytes();
-    detail::raise_to(peak_used_bytes_, s.used_bytes);
-    s.peak_used_bytes = std::max(s.used_bytes, peak_used_bytes_.load(std::memory_order_relaxed));
+    s.reserved_bytes = s.used_bytes = used_bytes_.load(std::memory_order_relaxed);
+    s.peak_used_bytes = peak_used_bytes_.load(std::memory_order_relaxed);
     return s;
   }
 
   // Speed: the record is sharded by pointer (detail::allocation_table), so an allocate or a
   // free takes one shard's lock (unless its thread owns the adaptor: owner_bias) and touches
   // one line of keys and one of records; no host memory is allocated per request (a shard's
-  // table only grows, by doubling). The shard lock is the only atomic instruction: bytes in
-  // use are counted per shard under it, sequence numbers per thread, and the peak is summed
-  // only when a shard passes its mark (count_allocation); the timestamp is the CPU's tick
-  // counter, not a clock call.
+  // table only grows, by doubling). The timestamp is the CPU's tick counter, not a clock call.
   bool timestamps_;
   mutable detail::owner_bias bias_;  // the thread that uses this adaptor alone skips the locks
   detail::tick_calibration clock_;  // construction time, in both clocks
   detail::allocation_table table_;   // the live allocations, recent frees, bytes in use
-  // Written rarely (a new peak, a bad free): kept off the line of the members above anyway.
-  alignas(64) mutable std::atomic<std::size_t> peak_used_bytes_{0};
-  mutable std::atomic<std::size_t> bad_frees_{0};
+  // Bytes in use and their peak: one writer while a thread owns the adaptor, then atomic adds.
+  alignas(64) std::atomic<std::size_t> used_bytes_{0};
+  std::atomic<std::size_t> peak_used_bytes_{0};
+  mutable std::atomic<std::size_t> bad_frees_{0};  // rare: a bad free
 };
 
 }  // namespace cudamem

@@ -7,6 +7,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <functional>
@@ -56,10 +57,8 @@ TEST_CASE("statistics: bad input and failures count nothing") {
 }
 
 TEST_CASE("statistics: nested scopes see their own phase") {
-  const bool exact = GENERATE(false, true);
-  CAPTURE(exact);
   host_resource host;
-  statistics_adaptor counted{host, {.exact_peak = exact}};
+  statistics_adaptor counted{host};
   void* before = counted.allocate(1000);
   statistics_adaptor::scope outer{counted};
   void* x = counted.allocate(200);
@@ -89,10 +88,8 @@ TEST_CASE("statistics: nested scopes see their own phase") {
 }
 
 TEST_CASE("statistics: a scope opened below an earlier peak sees its own") {
-  const bool exact = GENERATE(false, true);
-  CAPTURE(exact);
   host_resource host;
-  statistics_adaptor counted{host, {.exact_peak = exact}};
+  statistics_adaptor counted{host};
   void* big = counted.allocate(5000);
   counted.deallocate(big, 5000);
   void* kept = counted.allocate(100);
@@ -165,6 +162,7 @@ TEST_CASE("statistics: the peak is exact when threads take turns, frees across t
   void* a2 = nullptr;
   void* b2 = nullptr;
   a.run([&] { a1 = counted.allocate(1000); });
+  CHECK(counted.owned_by_one_thread() == detail::asymmetric_fence_available());
   a.run([&] { counted.deallocate(a1, 1000); });  // a is now below the most it held
   b.run([&] { b1 = counted.allocate(500); });
   CHECK(counted.counters().peak_bytes == 1000);
@@ -181,17 +179,18 @@ TEST_CASE("statistics: the peak is exact when threads take turns, frees across t
   a.run([&] { counted.deallocate(b1, 500); });
   b.run([&] { counted.deallocate(b2, 1200); });
   const allocation_counters c = counted.counters();
+  CHECK_FALSE(counted.owned_by_one_thread());  // b's first request ended a's ownership
   CHECK(c.current_bytes == 0);
   CHECK(c.peak_bytes == 1700);
   CHECK(c.allocations == 4);
   CHECK(c.deallocations == 4);
 }
 
-TEST_CASE("statistics: exact_peak never passes a budget, even with frees racing allocations") {
+TEST_CASE("statistics: the peak never passes a budget, even with frees racing allocations") {
   host_resource host;
   constexpr std::size_t budget = 64 * 4;
   limiting_adaptor capped{host, budget};
-  statistics_adaptor counted{capped, {.exact_peak = true}};
+  statistics_adaptor counted{capped};
   // Producers allocate, consumers free what they were handed: every thread's own balance
   // runs far from zero, and frees race allocations all the time.
   std::mutex handed_mutex;
@@ -245,7 +244,60 @@ TEST_CASE("statistics: exact_peak never passes a budget, even with frees racing 
   CHECK(c.peak_bytes >= 64);
   CHECK(c.current_bytes == 0);
   CHECK(c.allocations == c.deallocations);
+  CHECK_FALSE(counted.owned_by_one_thread());
   CHECK(capped.used_bytes() == 0);
+}
+
+TEST_CASE("statistics: a second thread arriving mid-work loses no byte") {
+  for (int round = 0; round < 10; ++round) {
+    host_resource host;
+    statistics_adaptor counted{host};
+    // This thread owns the adaptor and keeps a window of allocations moving; a second thread
+    // joins at a different moment each round and ends the ownership in the middle of it. A
+    // plain store of the owner's racing an atomic add of the newcomer would lose bytes.
+    void* first = counted.allocate(64);
+    std::atomic<int> progress{0};
+    std::thread newcomer([&] {
+      while (progress.load() < round * 300) {
+        std::this_thread::yield();
+      }
+      for (int i = 0; i < 3000; ++i) {
+        void* p = counted.allocate(48);
+        counted.deallocate(p, 48);
+      }
+    });
+    std::vector<void*> window;
+    std::size_t window_bytes = 0;
+    std::size_t most = 0;
+    for (int i = 0; i < 6000; ++i) {
+      const std::size_t bytes = 32 + static_cast<std::size_t>(i % 5) * 16;
+      window.push_back(counted.allocate(bytes));
+      window_bytes += bytes;
+      most = std::max(most, window_bytes);
+      if (window.size() > 30) {
+        const std::size_t oldest = 32 + static_cast<std::size_t>((i - 30) % 5) * 16;
+        counted.deallocate(window.front(), oldest);
+        window_bytes -= oldest;
+        window.erase(window.begin());
+      }
+      progress.store(i);
+    }
+    newcomer.join();
+    const allocation_counters c = counted.counters();
+    CHECK(c.current_bytes == window_bytes + 64);
+    CHECK(c.peak_bytes >= most + 64);               // this thread's own window at its widest
+    CHECK(c.peak_bytes <= most + 64 + 48);          // plus at most the newcomer's one block
+    CHECK(c.allocations == 6000 + 1 + 3000);
+    CHECK(c.deallocations == (6000 - window.size()) + 3000);
+    CHECK_FALSE(counted.owned_by_one_thread());
+    std::size_t k = 6000 - window.size();
+    for (void* p : window) {
+      counted.deallocate(p, 32 + (k++ % 5) * 16);
+    }
+    counted.deallocate(first, 64);
+    CHECK(counted.counters().current_bytes == 0);
+    CHECK(host.stats().used_bytes == 0);
+  }
 }
 
 TEST_CASE("statistics: many threads, exact totals") {

@@ -8,7 +8,6 @@
 //   const std::lock_guard lock(shard.mutex());
 //   tracked_allocation& r = shard.add(p, bytes, alignment_log2, was_live);  // fill in the rest
 //   shard.release(p, bytes, alignment_log2)   // freed / size_mismatch / double_free...
-//   shard.used_bytes()                        // this shard's share of the bytes in use
 //
 // What is in here, and why each is shaped the way it is:
 // - Each shard's lock is a `spin_lock` (detail/spin_lock.hpp): it is held for a few dozen
@@ -26,8 +25,6 @@
 //   A pointer always maps to the same shard, so its frees are remembered exactly where a
 //   second free will look. The table grows by doubling, the only host allocation (amortised,
 //   never per request).
-// - Bytes in use are counted per shard, under the lock the shard already holds: a plain
-//   add, not an atomic one on a line every thread writes. Readers add the shards up.
 // - `next_allocation_sequence()`: a per-thread counter, for ordering records without a
 //   global atomic (order is exact within a thread; see tracked_allocation::sequence).
 #pragma once
@@ -139,8 +136,7 @@ enum class release_result {
   unknown,        ///< never seen (or freed long ago)
 };
 
-/// One lock stripe of the table. Every member but the lock is guarded by the lock (bytes in
-/// use and the mark may also be read without it).
+/// One lock stripe of the table. Every member but the lock is guarded by the lock.
 ///
 /// Two arrays side by side, slot i of one beside slot i of the other:
 /// - `keys_`, what a lookup probes: pointer and bytes, 16 bytes a slot, so four slots share a
@@ -160,34 +156,6 @@ class alignas(64) allocation_shard {
   spin_lock& mutex() noexcept { return mutex_; }
 
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
-
-  /// The bytes of this shard's live allocations. May be read without the lock (a relaxed
-  /// load: a report, not a decision); only written under it.
-  [[nodiscard]] std::size_t used_bytes() const noexcept {
-    return used_bytes_.load(std::memory_order_relaxed);
-  }
-
-  /// Counts `added` bytes in and `removed` out (a live pointer handed out again replaces its
-  /// old bytes). Call with the lock held. True if the shard now holds more than when the
-  /// shards were last added up (mark_summed): only then can the total be above every total
-  /// seen so far. (If no shard holds more than it did at the last sum, the total is at most
-  /// that sum. A shard's own most is not enough: a shard below its most, refilled after
-  /// others grew, can carry the total past the peak.)
-  bool count_allocation(std::size_t added, std::size_t removed = 0) noexcept {
-    // Load and store, not fetch_add: the lock already orders the writers, so no locked
-    // instruction is needed; the atomic is only there for lock-free readers.
-    const std::size_t used = used_bytes_.load(std::memory_order_relaxed) + added - removed;
-    used_bytes_.store(used, std::memory_order_relaxed);
-    return used > bytes_at_last_sum_.load(std::memory_order_relaxed);
-  }
-
-  /// Reads this shard's bytes in use for a sum of all shards, and remembers them as the mark
-  /// count_allocation compares with.
-  std::size_t mark_summed() noexcept {
-    const std::size_t used = used_bytes_.load(std::memory_order_relaxed);
-    bytes_at_last_sum_.store(used, std::memory_order_relaxed);
-    return used;
-  }
 
   /// The live record of `p`, or nullptr.
   [[nodiscard]] tracked_allocation* find(const void* p) noexcept {
@@ -239,8 +207,6 @@ class alignas(64) allocation_shard {
     recent_frees_[next_recent_free_ % remembered_frees] = records_[i];
     ++next_recent_free_;
     erase(i);
-    used_bytes_.store(used_bytes_.load(std::memory_order_relaxed) - bytes,
-                      std::memory_order_relaxed);  // under the lock: see count_allocation
     return release_result::freed;
   }
 
@@ -352,8 +318,6 @@ class alignas(64) allocation_shard {
   unsigned table_bits_ = 0;
   std::vector<live_key> keys_;               // a power of two long, at most half full
   std::vector<tracked_allocation> records_;  // as long as keys_: records_[i] is keys_[i]'s
-  std::atomic<std::size_t> used_bytes_{0};   // written under the lock only (count_allocation)
-  std::atomic<std::size_t> bytes_at_last_sum_{0};  // see count_allocation and mark_summed
   std::size_t next_recent_free_ = 0;
   std::array<tracked_allocation, remembered_frees> recent_frees_{};  // a ring, oldest overwritten
 };

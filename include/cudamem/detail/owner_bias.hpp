@@ -8,6 +8,12 @@
 //     const detail::biased_lock_guard guard(bias, shard.mutex());  // takes the lock, unless
 //     ...touch what the lock guards...                             // this thread owns `bias`
 //   }
+//   if (bias.enter()) {  // the same without a lock: a counter the owner writes plainly,
+//     detail::add_to_counter(total, bytes, /*sole_writer=*/true);   // and others atomically
+//     bias.leave();
+//   } else {
+//     detail::add_to_counter(total, bytes, /*sole_writer=*/false);
+//   }
 //
 // Contract
 // - The first thread that takes a biased_lock_guard on an owner_bias owns it: its guards then
@@ -156,6 +162,33 @@ class owner_bias {
   std::mutex revoke_mutex_;
 };
 
+/// Adds `delta` to `counter` (a negative delta in two's complement subtracts) and returns the
+/// sum: a plain load and store when the caller is the counter's only writer (it owns the bias
+/// and is inside enter()/leave()), an atomic add when threads share it.
+template <class T>
+T add_to_counter(std::atomic<T>& counter, T delta, bool sole_writer) noexcept {
+  if (sole_writer) [[likely]] {
+    const T sum = counter.load(std::memory_order_relaxed) + delta;
+    counter.store(sum, std::memory_order_relaxed);
+    return sum;
+  }
+  return counter.fetch_add(delta, std::memory_order_relaxed) + delta;
+}
+
+/// Raises `peak` to at least `value`, the same two ways.
+template <class T>
+void raise_peak(std::atomic<T>& peak, T value, bool sole_writer) noexcept {
+  T seen = peak.load(std::memory_order_relaxed);
+  if (sole_writer) [[likely]] {
+    if (value > seen) {
+      peak.store(value, std::memory_order_relaxed);
+    }
+    return;
+  }
+  while (value > seen && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+  }
+}
+
 /// Locks `lock` for the guard's life, unless the calling thread owns `bias`.
 template <class Lock>
 class [[nodiscard]] biased_lock_guard {
@@ -175,6 +208,10 @@ class [[nodiscard]] biased_lock_guard {
   }
   biased_lock_guard(const biased_lock_guard&) = delete;
   biased_lock_guard& operator=(const biased_lock_guard&) = delete;
+
+  /// True if this thread owns the bias (no lock was taken): it is the only writer of whatever
+  /// only the guarded code writes.
+  [[nodiscard]] bool owner() const noexcept { return lock_ == nullptr; }
 
  private:
   owner_bias& bias_;
