@@ -428,7 +428,7 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
   bool timestamps_;
   mutable detail::owner_bias bias_;  // the thread that uses this adaptor alone skips the locks
   detail::tick_calibration clock_;  // construction time, in both clocks
-  detail::allocation_table table_;   // the live allocations, recent frees, bytes in use
+  detail::allocation_table table_;   // the live allocations and the recent frees
   // Bytes in use and their peak: one writer while a thread owns the adaptor, then atomic adds.
   alignas(64) std::atomic<std::size_t> used_bytes_{0};
   std::atomic<std::size_t> peak_used_bytes_{0};

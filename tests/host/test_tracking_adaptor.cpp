@@ -577,10 +577,9 @@ TEST_CASE("tracking under other adaptors still names the user's line") {
   CHECK(errors.messages().empty());
 }
 
-TEST_CASE("bytes in use and the peak are exact for one thread, with no global counter") {
-  // The bytes are counted per shard; the peak is summed over the shards when one reaches a
-  // new most of its own. A rolling pair (allocate the next, free the previous) of varied
-  // sizes spreads over many shards: adding up each shard's own peak would overshoot.
+TEST_CASE("bytes in use and the peak are exact for one thread") {
+  // A rolling pair (allocate the next, free the previous) of varied sizes spreads over many
+  // shards of the record: a peak made of each shard's own most would overshoot.
   host_resource host;
   tracking_adaptor tracked{host};
   void* previous = nullptr;
