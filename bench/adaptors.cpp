@@ -32,7 +32,6 @@
 #include "traces.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <functional>
@@ -177,31 +176,15 @@ double threaded_replay_ns(const std::vector<cudamem_bench::trace>& traces, memor
   for (const cudamem_bench::trace& t : traces) {
     ops += t.ops.size();
   }
-  std::atomic<std::size_t> ready{0};
-  std::atomic<bool> go{false};
-  std::vector<std::thread> threads;
-  for (const cudamem_bench::trace& t : traces) {
-    threads.emplace_back([&, &t = t] {
-      std::vector<void*> slots(t.blocks);
-      ready.fetch_add(1);
-      while (!go.load(std::memory_order_acquire)) {
-        std::this_thread::yield();
-      }
-      cudamem_bench::replay(
-          t, slots, [&](std::size_t n) { return mr.allocate(n); },
-          [&](void* p, std::size_t n) { mr.deallocate(p, n); });
-    });
-  }
-  while (ready.load() != traces.size()) {
-    std::this_thread::yield();
-  }
-  const auto start = std::chrono::steady_clock::now();
-  go.store(true, std::memory_order_release);
-  for (std::thread& t : threads) {
-    t.join();
-  }
-  const auto end = std::chrono::steady_clock::now();
-  return std::chrono::duration<double, std::nano>(end - start).count() / static_cast<double>(ops);
+  const auto run = [&](std::size_t i, const auto& start) {
+    const cudamem_bench::trace& t = traces[i];
+    std::vector<void*> slots(t.blocks);
+    start();
+    cudamem_bench::replay(
+        t, slots, [&](std::size_t n) { return mr.allocate(n); },
+        [&](void* p, std::size_t n) { mr.deallocate(p, n); });
+  };
+  return cudamem_bench::run_together(traces.size(), run) / static_cast<double>(ops);
 }
 
 /// The multi-thread trace through the pool and the adaptors that count on every thread.

@@ -35,7 +35,6 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -92,29 +91,15 @@ std::pair<std::size_t, double> timed_replay(const std::vector<trace>& traces, Ma
     worker.finish();
     return {ops, std::chrono::duration<double, std::nano>(clock_type::now() - start).count()};
   }
-  std::atomic<std::size_t> ready{0};
-  std::atomic<bool> go{false};
-  std::vector<std::thread> pool;
-  for (std::size_t i = 0; i < threads; ++i) {
-    pool.emplace_back([&, i] {
-      auto worker = make_worker(i);
-      std::vector<void*> slots(traces[i].blocks);
-      ready.fetch_add(1);
-      while (!go.load(std::memory_order_acquire)) {
-      }
-      replay(traces[i], slots, [&](std::size_t n) { return worker.allocate(n); },
-             [&](void* p, std::size_t n) { worker.deallocate(p, n); });
-      worker.finish();
-    });
-  }
-  while (ready.load() != threads) {
-  }
-  const auto start = clock_type::now();
-  go.store(true, std::memory_order_release);
-  for (auto& t : pool) {
-    t.join();
-  }
-  return {ops, std::chrono::duration<double, std::nano>(clock_type::now() - start).count()};
+  const double ns = run_together(threads, [&](std::size_t i, const auto& start) {
+    auto worker = make_worker(i);
+    std::vector<void*> slots(traces[i].blocks);
+    start();
+    replay(traces[i], slots, [&](std::size_t n) { return worker.allocate(n); },
+           [&](void* p, std::size_t n) { worker.deallocate(p, n); });
+    worker.finish();
+  });
+  return {ops, ns};
 }
 
 // --- the allocators, each as a per-thread "worker" with allocate/deallocate/finish ---------------

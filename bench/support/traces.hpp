@@ -1,5 +1,6 @@
 // bench/support/traces.hpp — the standard allocation traces of DESIGN.md, generated ahead of
-// time (so a benchmark times the allocator, not the random numbers), and a replayer.
+// time (so a benchmark times the allocator, not the random numbers), a replayer, and a way to
+// start the threads of a multi-thread trace at once.
 //
 //   for (const auto& spec : cudamem_bench::standard_traces()) {
 //     const cudamem_bench::trace t = cudamem_bench::make_trace(spec);
@@ -16,10 +17,13 @@
 // trace.
 #pragma once
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -146,6 +150,35 @@ void replay(const trace& t, std::vector<void*>& slots, Alloc&& alloc, Free&& rel
       release(slots[op.id], op.bytes);
     }
   }
+}
+
+/// Runs `body(i, start)` on `threads` threads at once: each does its own set-up, then calls
+/// `start()`, which waits until every thread is ready. Returns the wall time in ns from the
+/// moment they are all released to the end of the last one.
+template <class Body>
+double run_together(std::size_t threads, Body&& body) {
+  std::atomic<std::size_t> ready{0};
+  std::atomic<bool> go{false};
+  const auto start = [&] {
+    ready.fetch_add(1);
+    while (!go.load(std::memory_order_acquire)) {
+      std::this_thread::yield();
+    }
+  };
+  std::vector<std::thread> workers;
+  for (std::size_t i = 0; i < threads; ++i) {
+    workers.emplace_back([&, i] { body(i, start); });
+  }
+  while (ready.load() != threads) {
+    std::this_thread::yield();
+  }
+  const auto begin = std::chrono::steady_clock::now();
+  go.store(true, std::memory_order_release);
+  for (std::thread& worker : workers) {
+    worker.join();
+  }
+  return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - begin)
+      .count();
 }
 
 }  // namespace cudamem_bench

@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cudamem/detail/adaptor_base.hpp>
+#include <cudamem/detail/owner_bias.hpp>
 #include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>

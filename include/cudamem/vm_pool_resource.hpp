@@ -70,21 +70,9 @@ namespace cudamem {
   return o;
 }
 
-/// How to build a vm_pool_resource.
-struct vm_pool_options {
-  /// Size of each physical handle (vm_resource_options::handle_bytes).
-  std::size_t handle_bytes = std::size_t{64} << 20;
-  /// Least physical memory one growth creates (vm_resource_options::growth_bytes).
-  std::size_t growth_bytes = std::size_t{256} << 20;
-  /// Size of each virtual reservation; 0: four times the device's memory.
-  std::size_t reserve_bytes = 0;
-  /// Reservations held before stale aliases are unmapped (vm_resource_options::
-  /// reservations_before_sweep).
-  std::size_t reservations_before_sweep = 8;
-  /// Most physical bytes it may hold; nullopt: as much as the device gives.
-  std::optional<std::size_t> physical_limit;
-  /// Other devices that get read-write access to its memory.
-  std::vector<int> peers;
+/// How to build a vm_pool_resource: the upstream's options (handle and growth sizes,
+/// reservations, physical limit, peers; see vm_resource_options) and the pool's.
+struct vm_pool_options : vm_resource_options {
   /// The pool's options (see vm_pool_chunking). Keep chunk sizes multiples of handle_bytes,
   /// so a wholly free chunk is whole handles the upstream can recycle.
   pool_options pool = vm_pool_chunking();
@@ -112,7 +100,7 @@ class vm_pool_resource final : public memory_resource {
   explicit vm_pool_resource(std::unique_ptr<detail::vm_mapping_layer> layer,
                             vm_pool_options options = {})
       : memory_resource(memory_kind::device, layer ? layer->device() : -1),
-        vm_(std::move(layer), upstream_options(options)),
+        vm_(std::move(layer), static_cast<const vm_resource_options&>(options)),
         pool_(vm_, options.pool) {}
 
   vm_pool_resource(const vm_pool_resource&) = delete;
@@ -146,17 +134,6 @@ class vm_pool_resource final : public memory_resource {
   }
 
  private:
-  static vm_resource_options upstream_options(const vm_pool_options& o) {
-    vm_resource_options v;
-    v.handle_bytes = o.handle_bytes;
-    v.growth_bytes = o.growth_bytes;
-    v.reserve_bytes = o.reserve_bytes;
-    v.reservations_before_sweep = o.reservations_before_sweep;
-    v.physical_limit = o.physical_limit;
-    v.peers = o.peers;
-    return v;
-  }
-
   // A failure is re-reported from here, so the report's chain starts at the resource the
   // caller used (this, then the upstream) and keeps the pool's cause.
   void* do_allocate(std::size_t bytes, std::size_t alignment, stream_view stream) override {

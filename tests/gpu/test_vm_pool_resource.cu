@@ -41,43 +41,49 @@ vm_pool_options limited(std::size_t chunk, std::size_t limit) {
   return o;
 }
 
-}  // namespace
-
-TEST_CASE("vm_pool (GPU): recycled memory is not overwritten while a kernel still reads it") {
-  vm_pool_resource pool{0, limited(32 * MiB, 256 * MiB)};
+/// Four 64 MiB blocks on `reader`; two kernels wait ~0.5 s, then read blocks 0 and 2, which
+/// are freed at once; with the budget spent, 128 MiB on `writer` needs both holes remapped
+/// together. The kernels must still see their data, not the writer's 0xFF. Frees everything.
+template <class Resource>
+void recycle_while_a_kernel_reads(Resource& memory) {
   stream reader;
   stream writer;
   std::vector<void*> blocks;
   for (int i = 0; i < 4; ++i) {
-    blocks.push_back(pool.allocate(64 * MiB, 256, reader));
+    blocks.push_back(memory.allocate(64 * MiB, 256, reader));
     check(cudaMemsetAsync(blocks.back(), 1, 64 * MiB, reader.get()));
   }
   unsigned long long* count = nullptr;
   check(cudaMallocAsync(&count, 2 * sizeof(unsigned long long), reader.get()));
   check(cudaMemsetAsync(count, 0, 2 * sizeof(unsigned long long), reader.get()));
-  // Two kernels that wait ~0.5 s, then read blocks 0 and 2; both blocks are freed at once.
   const long long cycles = 1'000'000'000;
   slow_count<<<256, 256, 0, reader.get()>>>(static_cast<unsigned char*>(blocks[0]), 64 * MiB, 1,
                                             cycles, count);
   slow_count<<<256, 256, 0, reader.get()>>>(static_cast<unsigned char*>(blocks[2]), 64 * MiB, 1,
                                             cycles, count + 1);
   check(cudaGetLastError());
-  pool.deallocate(blocks[0], 64 * MiB, 256, reader);
-  pool.deallocate(blocks[2], 64 * MiB, 256, reader);
-  // The budget is spent: 128 MiB on another stream needs both holes, remapped together.
-  void* big = pool.allocate(128 * MiB, 256, writer);
-  CHECK(pool.vm_stats().compactions == 1);
+  memory.deallocate(blocks[0], 64 * MiB, 256, reader);
+  memory.deallocate(blocks[2], 64 * MiB, 256, reader);
+  void* big = memory.allocate(128 * MiB, 256, writer);  // both holes, remapped together
+  CHECK(memory.vm_stats().compactions == 1);
   check(cudaMemsetAsync(big, 0xFF, 128 * MiB, writer.get()));
   writer.synchronize();
   reader.synchronize();
   unsigned long long host[2] = {0, 0};
   check(cudaMemcpy(host, count, sizeof host, cudaMemcpyDeviceToHost));
-  CHECK(host[0] == 64 * MiB);  // the kernels saw their data, not the writer's 0xFF
+  CHECK(host[0] == 64 * MiB);
   CHECK(host[1] == 64 * MiB);
   check(cudaFree(count));
-  pool.deallocate(big, 128 * MiB, 256, writer);
-  pool.deallocate(blocks[1], 64 * MiB, 256, reader);
-  pool.deallocate(blocks[3], 64 * MiB, 256, reader);
+  memory.deallocate(big, 128 * MiB, 256, writer);
+  memory.deallocate(blocks[1], 64 * MiB, 256, reader);
+  memory.deallocate(blocks[3], 64 * MiB, 256, reader);
+}
+
+}  // namespace
+
+TEST_CASE("vm_pool (GPU): recycled memory is not overwritten while a kernel still reads it") {
+  vm_pool_resource pool{0, limited(32 * MiB, 256 * MiB)};
+  recycle_while_a_kernel_reads(pool);
 }
 
 // The upstream alone, freeing on a stream: recycling a handle whose last use is a running kernel
@@ -88,37 +94,7 @@ TEST_CASE("vm_resource (GPU): a handle freed on a stream is recycled only after 
   options.growth_bytes = 0;
   options.physical_limit = 256 * MiB;
   vm_resource vm{0, options};
-  stream reader;
-  stream writer;
-  std::vector<void*> blocks;
-  for (int i = 0; i < 4; ++i) {
-    blocks.push_back(vm.allocate(64 * MiB, 256, reader));
-    check(cudaMemsetAsync(blocks.back(), 1, 64 * MiB, reader.get()));
-  }
-  unsigned long long* count = nullptr;
-  check(cudaMallocAsync(&count, 2 * sizeof(unsigned long long), reader.get()));
-  check(cudaMemsetAsync(count, 0, 2 * sizeof(unsigned long long), reader.get()));
-  const long long cycles = 1'000'000'000;
-  slow_count<<<256, 256, 0, reader.get()>>>(static_cast<unsigned char*>(blocks[0]), 64 * MiB, 1,
-                                            cycles, count);
-  slow_count<<<256, 256, 0, reader.get()>>>(static_cast<unsigned char*>(blocks[2]), 64 * MiB, 1,
-                                            cycles, count + 1);
-  check(cudaGetLastError());
-  vm.deallocate(blocks[0], 64 * MiB, 256, reader);
-  vm.deallocate(blocks[2], 64 * MiB, 256, reader);
-  void* big = vm.allocate(128 * MiB, 256, writer);  // both holes, remapped together
-  CHECK(vm.vm_stats().compactions == 1);
-  check(cudaMemsetAsync(big, 0xFF, 128 * MiB, writer.get()));
-  writer.synchronize();
-  reader.synchronize();
-  unsigned long long host[2] = {0, 0};
-  check(cudaMemcpy(host, count, sizeof host, cudaMemcpyDeviceToHost));
-  CHECK(host[0] == 64 * MiB);
-  CHECK(host[1] == 64 * MiB);
-  check(cudaFree(count));
-  vm.deallocate(big, 128 * MiB, 256, writer);
-  vm.deallocate(blocks[1], 64 * MiB, 256, reader);
-  vm.deallocate(blocks[3], 64 * MiB, 256, reader);
+  recycle_while_a_kernel_reads(vm);
   CHECK(vm.release() == 256 * MiB);  // waits for every free, then unmaps
 }
 

@@ -445,21 +445,7 @@ TEST_CASE("vm_resource: running out of address space sweeps stale aliases past t
   o.reserve_bytes = 512 * MiB;  // small, so compactions use it up
   o.reservations_before_sweep = 1;
   sim_vm s{256 * MiB, o};
-  for (int round = 0; round < 6; ++round) {
-    std::vector<void*> blocks;
-    for (int i = 0; i < 8; ++i) {
-      blocks.push_back(s.vm.allocate(32 * MiB));
-    }
-    for (int i = 0; i < 8; i += 2) {
-      s.vm.deallocate(blocks[static_cast<std::size_t>(i)], 32 * MiB);
-    }
-    void* big = s.vm.allocate(128 * MiB);
-    REQUIRE(s.layer.is_accessible(addr(big), 128 * MiB));
-    s.vm.deallocate(big, 128 * MiB);
-    for (int i = 1; i < 8; i += 2) {
-      s.vm.deallocate(blocks[static_cast<std::size_t>(i)], 32 * MiB);
-    }
-  }
+  compact_six_times(s);
   const vm_resource_stats st = s.vm.vm_stats();
   CHECK(st.unmaps > 0);                               // aliases were swept
   CHECK(st.reserved_virtual_bytes <= 3 * 512 * MiB);  // and address space did not pile up

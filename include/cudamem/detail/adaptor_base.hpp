@@ -23,7 +23,6 @@
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 
-#include <atomic>
 #include <cstddef>
 #include <optional>
 #include <string>
@@ -87,13 +86,5 @@ class adaptor_base : public memory_resource {
 
   memory_resource* upstream_;
 };
-
-/// Raises `peak` to at least `value` (relaxed: peaks are statistics, not synchronisation).
-template <class Atomic, class Value>
-inline void raise_to(Atomic& peak, Value value) noexcept {
-  Value seen = peak.load(std::memory_order_relaxed);
-  while (value > seen && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
-  }
-}
 
 }  // namespace cudamem::detail

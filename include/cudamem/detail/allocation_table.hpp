@@ -1,13 +1,13 @@
 // cudamem/detail/allocation_table.hpp — the tracking adaptor's record of live allocations:
 // a table from pointer to a 64-byte record, split into lock-striped shards so that threads
-// freeing different pointers rarely meet, and each shard an open-addressing hash table of the
-// records themselves, so that a lookup touches one cache line and no node is allocated per
-// entry.
+// freeing different pointers rarely meet, and each shard an open-addressing hash table whose
+// probed keys are 16 bytes, so that a lookup touches one line of keys and no node is
+// allocated per entry.
 //
 //   detail::allocation_shard& shard = table.shard_for(p);
-//   const std::lock_guard lock(shard.mutex());
+//   const std::lock_guard lock(shard.mutex());   // (the adaptor: a biased_lock_guard)
 //   tracked_allocation& r = shard.add(p, bytes, alignment_log2, was_live);  // fill in the rest
-//   shard.release(p, bytes, alignment_log2)   // freed / size_mismatch / double_free...
+//   shard.release(p, bytes, alignment)        // freed / size_mismatch / double_free...
 //
 // What is in here, and why each is shaped the way it is:
 // - Each shard's lock is a `spin_lock` (detail/spin_lock.hpp): it is held for a few dozen
@@ -16,15 +16,13 @@
 //   ARM virtual counter; steady_clock elsewhere). Ticks become nanoseconds only when a report
 //   is written (`tick_calibration`), so the hot path never pays for a clock call.
 // - `tracked_allocation`: what is stored per allocation, trivially copyable, one cache line.
-// - `allocation_shard`: a linear-probing table of those records themselves, kept at most half
-//   full and deleted from by backward shift (no tombstones, so a table that sees millions of
-//   allocate/free pairs never degrades); and a ring of copies of the shard's last frees, for
-//   telling a double free from a stray pointer. The record is in the table, not behind an
-//   index, so an allocate or a free touches one line of the table (a hash table's lookup of a
-//   random pointer is a cache miss once the table outgrows L1: there should be one, not two).
-//   A pointer always maps to the same shard, so its frees are remembered exactly where a
-//   second free will look. The table grows by doubling, the only host allocation (amortised,
-//   never per request).
+// - `allocation_shard`: a linear-probing table kept at most half full and deleted from by
+//   backward shift (no tombstones, so a table that sees millions of allocate/free pairs never
+//   degrades). Its keys (pointer, bytes) and its records sit in two arrays side by side (see
+//   the class); and a ring of copies of the shard's last frees tells a double free from a
+//   stray pointer. A pointer always maps to the same shard, so its frees are remembered
+//   exactly where a second free will look. The arrays grow by doubling, the only host
+//   allocation (amortised, never per request).
 // - `next_allocation_sequence()`: a per-thread counter, for ordering records without a
 //   global atomic (order is exact within a thread; see tracked_allocation::sequence).
 #pragma once

@@ -175,17 +175,22 @@ T add_to_counter(std::atomic<T>& counter, T delta, bool sole_writer) noexcept {
   return counter.fetch_add(delta, std::memory_order_relaxed) + delta;
 }
 
-/// Raises `peak` to at least `value`, the same two ways.
+/// Raises `peak` to at least `value` whoever else raises it (relaxed: peaks are statistics,
+/// not synchronisation).
+template <class Atomic, class Value>
+void raise_to(Atomic& peak, Value value) noexcept {
+  Value seen = peak.load(std::memory_order_relaxed);
+  while (value > seen && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+  }
+}
+
+/// Raises `peak` to at least `value`, the same two ways as add_to_counter.
 template <class T>
 void raise_peak(std::atomic<T>& peak, T value, bool sole_writer) noexcept {
-  T seen = peak.load(std::memory_order_relaxed);
-  if (sole_writer) [[likely]] {
-    if (value > seen) {
-      peak.store(value, std::memory_order_relaxed);
-    }
-    return;
-  }
-  while (value > seen && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+  if (!sole_writer) [[unlikely]] {
+    raise_to(peak, value);
+  } else if (value > peak.load(std::memory_order_relaxed)) {
+    peak.store(value, std::memory_order_relaxed);
   }
 }
 
