@@ -23,7 +23,7 @@
 // non-blocking stream. Every allocator is destroyed, and the device's free memory checked,
 // before the next starts. Lines are printed (and flushed) as they are measured. With no GPU
 // and no --simulated it prints one line and exits 69.
-#include <cudamem/detail/vm_driver_mapping.hpp>
+#include <cudamem/detail/vm/driver_mapping.hpp>
 #include <cudamem/device_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 #include <cudamem/pool_resource.hpp>

@@ -14,7 +14,7 @@
 // Then: pieces of ONE large handle (cuMemMap with a non-zero offset), 64 MiB each, mapped in
 // shuffled order at a fresh range, access given once: whether the cost follows the handles in
 // the range or the mappings.
-#include <cudamem/detail/vm_driver_mapping.hpp>
+#include <cudamem/detail/vm/driver_mapping.hpp>
 
 #include <cuda_runtime_api.h>
 

@@ -41,7 +41,7 @@
 //   error handler; CUDA then releases the pool when its last block is freed.
 #pragma once
 
-#include <cudamem/detail/cuda_upstream.hpp>
+#include <cudamem/detail/cuda/cuda_upstream.hpp>
 #include <cudamem/memory_resource.hpp>
 
 #include <cuda_runtime_api.h>

@@ -43,7 +43,7 @@
 //   alone and reports the broken nesting to the error handler rather than guess.
 #pragma once
 
-#include <cudamem/detail/driver.hpp>
+#include <cudamem/detail/cuda/driver.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/primary_context.hpp>

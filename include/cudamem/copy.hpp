@@ -36,7 +36,7 @@
 // - CUDA errors throw `cuda_error`.
 #pragma once
 
-#include <cudamem/detail/stream_ops.hpp>
+#include <cudamem/detail/cuda/stream_ops.hpp>
 #include <cudamem/device_buffer.hpp>
 #include <cudamem/device_span.hpp>
 #include <cudamem/error.hpp>

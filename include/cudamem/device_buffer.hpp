@@ -48,8 +48,8 @@
 #pragma once
 
 #include <cudamem/current_resource.hpp>
-#include <cudamem/detail/owned_block.hpp>
-#include <cudamem/detail/stream_ops.hpp>
+#include <cudamem/detail/buffers/owned_block.hpp>
+#include <cudamem/detail/cuda/stream_ops.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/device_span.hpp>
 #include <cudamem/memory_resource.hpp>

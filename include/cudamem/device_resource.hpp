@@ -30,7 +30,7 @@
 //   gave out stays valid and may be freed by another device_resource of the same device.
 #pragma once
 
-#include <cudamem/detail/cuda_upstream.hpp>
+#include <cudamem/detail/cuda/cuda_upstream.hpp>
 #include <cudamem/memory_resource.hpp>
 
 #include <cuda_runtime_api.h>

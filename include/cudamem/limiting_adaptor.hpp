@@ -22,8 +22,8 @@
 //   requests fail until enough is freed.
 #pragma once
 
-#include <cudamem/detail/adaptor_base.hpp>
-#include <cudamem/detail/owner_bias.hpp>
+#include <cudamem/detail/adaptors/adaptor_base.hpp>
+#include <cudamem/detail/adaptors/owner_bias.hpp>
 #include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>

@@ -26,7 +26,7 @@
 //   `std::runtime_error` from the constructor if it cannot be opened.
 #pragma once
 
-#include <cudamem/detail/adaptor_base.hpp>
+#include <cudamem/detail/adaptors/adaptor_base.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/log_format.hpp>
 #include <cudamem/memory_resource.hpp>

@@ -24,7 +24,7 @@
 // - managed_resources of one device with the same flag are interchangeable.
 #pragma once
 
-#include <cudamem/detail/cuda_upstream.hpp>
+#include <cudamem/detail/cuda/cuda_upstream.hpp>
 #include <cudamem/memory_resource.hpp>
 
 #include <cuda_runtime_api.h>

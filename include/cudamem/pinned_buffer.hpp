@@ -29,8 +29,8 @@
 //   source locations: as device_buffer.
 #pragma once
 
-#include <cudamem/detail/owned_block.hpp>
-#include <cudamem/detail/stream_ops.hpp>
+#include <cudamem/detail/buffers/owned_block.hpp>
+#include <cudamem/detail/cuda/stream_ops.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/pinned_resource.hpp>
 #include <cudamem/stream.hpp>

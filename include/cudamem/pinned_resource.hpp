@@ -26,7 +26,7 @@
 // - pinned_resources of one device with the same flags are interchangeable (`is_equal`).
 #pragma once
 
-#include <cudamem/detail/cuda_upstream.hpp>
+#include <cudamem/detail/cuda/cuda_upstream.hpp>
 #include <cudamem/memory_resource.hpp>
 
 #include <cuda_runtime_api.h>

@@ -62,7 +62,7 @@
 //
 // Design, and its limits
 // - Front end: a freed block of at most `cache_block_limit` bytes is kept whole in its
-//   shard's cache (detail/block_cache.hpp: a stack per size class, 16 classes per power of
+//   shard's cache (detail/pool/block_cache.hpp: a stack per size class, 16 classes per power of
 //   two), tagged with its stream like any free block, while the shard caches at most
 //   `cache_bytes`. A request first looks at the top of its class's stack: a hit costs a
 //   lock, a few loads and no heap work, and a block freed on another stream goes through the
@@ -74,7 +74,7 @@
 //   (release(), the retry after an upstream failure, making room for a small chunk) and
 //   before the last look through every shard, so growth, release and out_of_memory behave as
 //   without the cache.
-// - Each chunk's free blocks live in a TLSF index (detail/tlsf_heap.hpp): O(1) search however
+// - Each chunk's free blocks live in a TLSF index (detail/pool/tlsf_heap.hpp): O(1) search however
 //   many holes, splitting, and immediate merging of address neighbours. Block records are
 //   host-side nodes; the pool never reads or writes the memory it manages.
 // - Threads: the pool is split into shards (a power of two, by default one per hardware thread
@@ -89,10 +89,10 @@
 // - Upstream calls are serialised by one mutex, so the upstream need not be thread-safe.
 #pragma once
 
-#include <cudamem/detail/address_map.hpp>
-#include <cudamem/detail/block_cache.hpp>
+#include <cudamem/detail/pool/address_map.hpp>
+#include <cudamem/detail/pool/block_cache.hpp>
 #include <cudamem/detail/spin_lock.hpp>
-#include <cudamem/detail/tlsf_heap.hpp>
+#include <cudamem/detail/pool/tlsf_heap.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>

@@ -32,7 +32,7 @@
 //   active, without retaining or creating it.
 #pragma once
 
-#include <cudamem/detail/driver.hpp>
+#include <cudamem/detail/cuda/driver.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
 

@@ -24,7 +24,7 @@
 //   log or clean up).
 #pragma once
 
-#include <cudamem/detail/adaptor_base.hpp>
+#include <cudamem/detail/adaptors/adaptor_base.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 

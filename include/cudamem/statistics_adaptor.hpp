@@ -28,7 +28,7 @@
 //   each (a thread that ends leaves its slot to the next thread given its id), further
 //   threads share one, updated with atomic adds. Bytes in use and the peak: one counter,
 //   which the first thread to use the adaptor updates with plain stores while it is the only
-//   one (detail/owner_bias.hpp); once a second thread has used it, every thread adds to it
+//   one (detail/adaptors/owner_bias.hpp); once a second thread has used it, every thread adds to it
 //   atomically (one locked instruction per request; the exact peak needs every thread's
 //   bytes in one place). Switching costs the second thread one system call, once.
 //   `owned_by_one_thread()` says which it is.
@@ -41,8 +41,8 @@
 //   adaptor holds nothing of its own), so a `memory_report` shows what passed through here.
 #pragma once
 
-#include <cudamem/detail/adaptor_base.hpp>
-#include <cudamem/detail/owner_bias.hpp>
+#include <cudamem/detail/adaptors/adaptor_base.hpp>
+#include <cudamem/detail/adaptors/owner_bias.hpp>
 #include <cudamem/memory_resource.hpp>
 
 #include <algorithm>

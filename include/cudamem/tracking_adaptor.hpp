@@ -44,7 +44,7 @@
 // - One thread skips the locks: the first thread that uses the adaptor owns it, and takes no
 //   shard lock until another thread touches the record (a request, or leaks(), find(),
 //   live_count() from another thread). That thread waits, once, for the owner to finish the
-//   request it is in, and from then on every thread locks (detail/owner_bias.hpp: a Linux
+//   request it is in, and from then on every thread locks (detail/adaptors/owner_bias.hpp: a Linux
 //   membarrier call, microseconds, once per adaptor; elsewhere every thread always locks).
 //   `owned_by_one_thread()` says which it is. stats() and bad_frees() never take a lock.
 // - stats(): `used_bytes` and `peak_used_bytes` are exact, however threads race: one counter
@@ -58,9 +58,9 @@
 //   request: a shard's table grows by doubling, and that is all.
 #pragma once
 
-#include <cudamem/detail/adaptor_base.hpp>
-#include <cudamem/detail/allocation_table.hpp>
-#include <cudamem/detail/owner_bias.hpp>
+#include <cudamem/detail/adaptors/adaptor_base.hpp>
+#include <cudamem/detail/adaptors/allocation_table.hpp>
+#include <cudamem/detail/adaptors/owner_bias.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>

@@ -41,7 +41,7 @@
 //   upstream has recycled and grown as far as it can; its report names both.
 #pragma once
 
-#include <cudamem/detail/vm_driver_mapping.hpp>
+#include <cudamem/detail/vm/driver_mapping.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>

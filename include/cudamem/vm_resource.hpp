@@ -76,8 +76,8 @@
 // - Thread-safe: one mutex (a pool above calls it for chunks only).
 #pragma once
 
-#include <cudamem/detail/vm_driver_mapping.hpp>
-#include <cudamem/detail/vm_mapping.hpp>
+#include <cudamem/detail/vm/driver_mapping.hpp>
+#include <cudamem/detail/vm/mapping.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_resource.hpp>

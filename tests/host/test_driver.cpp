@@ -1,7 +1,7 @@
-// detail/driver.hpp on any machine: the driver API is reached without linking libcuda (this
+// detail/cuda/driver.hpp on any machine: the driver API is reached without linking libcuda (this
 // executable links only cudart), a machine with no driver gets no_device_error, and driver
 // results become cudamem's exceptions with the driver's name in them.
-#include <cudamem/detail/driver.hpp>
+#include <cudamem/detail/cuda/driver.hpp>
 #include <cudamem/device.hpp>
 
 #include "captured_errors.hpp"

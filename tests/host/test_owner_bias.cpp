@@ -2,7 +2,7 @@
 // from then on the two exclude each other. Checked the hard way: a plain counter that both
 // increment under a biased_lock_guard must lose no increment, with the second thread arriving
 // while the owner is mid-loop, many times over.
-#include <cudamem/detail/owner_bias.hpp>
+#include <cudamem/detail/adaptors/owner_bias.hpp>
 #include <cudamem/detail/spin_lock.hpp>
 
 #include <catch2/catch.hpp>

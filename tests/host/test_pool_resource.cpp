@@ -1,8 +1,8 @@
 // pool_resource over simulated and host memory: a randomised model test, threads, growth,
 // release, maximum size, out-of-memory retry and report, bad inputs; and its internals
 // (the TLSF free-block index and the address map) on their own.
-#include <cudamem/detail/address_map.hpp>
-#include <cudamem/detail/tlsf_heap.hpp>
+#include <cudamem/detail/pool/address_map.hpp>
+#include <cudamem/detail/pool/tlsf_heap.hpp>
 #include <cudamem/host_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 #include <cudamem/pool_resource.hpp>

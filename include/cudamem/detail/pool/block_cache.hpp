@@ -1,4 +1,4 @@
-// cudamem/detail/block_cache.hpp — the front end of pool_resource: blocks just freed, kept
+// cudamem/detail/pool/block_cache.hpp — the front end of pool_resource: blocks just freed, kept
 // whole in last-in-first-out stacks by size class, so that the next request of about the same
 // size takes one in O(1) without searching, splitting or merging in the TLSF heap behind it.
 //

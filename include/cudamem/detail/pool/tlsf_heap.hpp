@@ -1,4 +1,4 @@
-// cudamem/detail/tlsf_heap.hpp — a two-level segregated fit (TLSF) heap over address ranges
+// cudamem/detail/pool/tlsf_heap.hpp — a two-level segregated fit (TLSF) heap over address ranges
 // whose bytes it never touches: the free-block index behind pool_resource (and any allocator
 // that carves blocks out of device memory, which the host cannot read).
 //

@@ -1,4 +1,4 @@
-// cudamem/detail/owned_block.hpp — one allocation from a resource, freed on its stream when
+// cudamem/detail/buffers/owned_block.hpp — one allocation from a resource, freed on its stream when
 // the block is destroyed: the single owning piece inside device_buffer and pinned_buffer.
 // Keeping ownership in one small type is what makes the buffers exception-safe without a
 // try/catch in every member: a block made before a step that throws frees itself.

@@ -1,6 +1,6 @@
-// cudamem/detail/driver.hpp — the CUDA driver API, reached without linking libcuda.
+// cudamem/detail/cuda/driver.hpp — the CUDA driver API, reached without linking libcuda.
 //
-//   #include <cudamem/detail/driver.hpp>
+//   #include <cudamem/detail/cuda/driver.hpp>
 //
 //   const auto& cu = cudamem::detail::driver();      // throws no_device_error with no driver
 //   CUdevice dev = 0;

@@ -1,5 +1,5 @@
-// cudamem/detail/vm_driver_mapping.hpp — the real mapping layer under vm_resource: CUDA's
-// virtual memory management, through the driver table in driver.hpp (no libcuda link).
+// cudamem/detail/vm/driver_mapping.hpp — the real mapping layer under vm_resource: CUDA's
+// virtual memory management, through the driver table in detail/cuda/driver.hpp (no libcuda link).
 //
 //   cudamem::detail::driver_vm_mapping layer{0, {1}};   // device 0, readable by device 1 too
 //   std::uintptr_t va = layer.reserve(1ull << 30);
@@ -7,7 +7,7 @@
 //   layer.map(va, 2ull << 20, *h);
 //   layer.set_access(va, 2ull << 20);                   // now kernels may touch it
 //
-// The contract is vm_mapping.hpp's. Specific to the driver:
+// The contract is detail/vm/mapping.hpp's. Specific to the driver:
 // - Construction throws `no_device_error` with no device, `std::out_of_range` for a device or
 //   peer id that does not exist, `vm_not_supported_error` on a device without virtual memory
 //   management (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 0), and
@@ -23,8 +23,8 @@
 //   anything submitted to the stream before the latest free (never less than needed).
 #pragma once
 
-#include <cudamem/detail/driver.hpp>
-#include <cudamem/detail/vm_mapping.hpp>
+#include <cudamem/detail/cuda/driver.hpp>
+#include <cudamem/detail/vm/mapping.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
 
@@ -62,7 +62,7 @@ class vm_not_supported_error : public cuda_error {
 
 namespace detail {
 
-/// The real mapping layer; see the contracts above and in vm_mapping.hpp.
+/// The real mapping layer; see the contracts above and in detail/vm/mapping.hpp.
 class driver_vm_mapping final : public vm_mapping_layer {
  public:
   explicit driver_vm_mapping(int device, std::vector<int> peers = {},

@@ -1,4 +1,4 @@
-// cudamem/detail/stream_ops.hpp — the few CUDA operations the typed owners and copy.hpp
+// cudamem/detail/cuda/stream_ops.hpp — the few CUDA operations the typed owners and copy.hpp
 // build on: ordering one stream after another, copying bytes, and filling with a value
 // without a kernel (so that every header compiles with a plain C++ compiler).
 #pragma once

@@ -1,8 +1,8 @@
-// cudamem/detail/vm_mapping.hpp — the mapping layer under vm_resource: everything that
+// cudamem/detail/vm/mapping.hpp — the mapping layer under vm_resource: everything that
 // touches the device (address space, physical memory, page mappings, access rights, and the
 // events that order reuse), behind one small interface with two implementations:
 //
-//   driver_vm_mapping     (vm_driver_mapping.hpp) the real thing: cuMemAddressReserve,
+//   driver_vm_mapping     (vm/driver_mapping.hpp) the real thing: cuMemAddressReserve,
 //                         cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap, cuMemRelease,
 //                         and CUDA events.
 //   simulated_vm_mapping  (here) host bookkeeping only: fake addresses, a byte budget for

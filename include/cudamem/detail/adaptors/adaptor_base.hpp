@@ -1,4 +1,4 @@
-// cudamem/detail/adaptor_base.hpp — what every adaptor (tracking, statistics, limiting,
+// cudamem/detail/adaptors/adaptor_base.hpp — what every adaptor (tracking, statistics, limiting,
 // logging, retry) has in common: it wraps an upstream resource, is a resource itself, and
 // forwards each request in the form it arrived in (on a stream, or synchronously).
 //

@@ -1,4 +1,4 @@
-// cudamem/detail/cuda_upstream.hpp — what the resources that call CUDA directly
+// cudamem/detail/cuda/cuda_upstream.hpp — what the resources that call CUDA directly
 // (device_resource, async_resource, pinned_resource, managed_resource) have in common:
 // resolving their device, counting bytes, turning a failed CUDA allocation into
 // `out_of_memory`, and switching device inside noexcept frees.

@@ -1,4 +1,4 @@
-// cudamem/detail/address_map.hpp — a small open-addressing hash map from a non-zero address
+// cudamem/detail/pool/address_map.hpp — a small open-addressing hash map from a non-zero address
 // to a pointer: how a pool finds the host-side record of a block from the pointer the user
 // gives back (the block's own memory may be device memory, which the host cannot read).
 //

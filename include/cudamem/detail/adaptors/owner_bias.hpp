@@ -1,4 +1,4 @@
-// cudamem/detail/owner_bias.hpp — locks that the one thread using an object need not take,
+// cudamem/detail/adaptors/owner_bias.hpp — locks that the one thread using an object need not take,
 // until a second thread comes: the tracking adaptor's shard locks cost a locked instruction
 // per request, as much as the rest of its work, and most programs call a memory resource
 // from one host thread.

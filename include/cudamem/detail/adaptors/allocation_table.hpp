@@ -1,4 +1,4 @@
-// cudamem/detail/allocation_table.hpp — the tracking adaptor's record of live allocations:
+// cudamem/detail/adaptors/allocation_table.hpp — the tracking adaptor's record of live allocations:
 // a table from pointer to a 64-byte record, split into lock-striped shards so that threads
 // freeing different pointers rarely meet, and each shard an open-addressing hash table whose
 // probed keys are 16 bytes, so that a lookup touches one line of keys and no node is
