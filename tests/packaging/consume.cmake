@@ -1,6 +1,13 @@
 # One packaging test: get cudamem one way (MODE), build the consumer project in a fresh
-# directory, run both consumers, and check what must (not) be there. Run by ctest as
-#   cmake -D MODE=... -D <the variables below> -P consume.cmake
+# directory, run both consumers, and check what must (not) be there. Run by ctest in two steps,
+#   cmake -D MODE=... -D STEP=build -D <the variables below> -P consume.cmake
+#   cmake -D MODE=... -D STEP=run   -D WORK_DIR=... -D EXPECTED_VERSION=... -P consume.cmake
+# because only the second touches the GPU: the build runs in parallel with everything, the run
+# holds the GPU tests' lock (tests/CMakeLists.txt) so that its context cannot take memory that
+# a GPU test is measuring.
+#
+# STEP             build            get cudamem, configure and build the consumers
+#                  run              run the two consumers built by the build step
 #
 # MODE             install          `cmake --install` the developer build tree, find_package
 #                  vcpkg            the steps of ports/cudamem/portfile.cmake, then find_package
@@ -12,6 +19,21 @@
 # GENERATOR, CUDA_COMPILER, CUDA_ARCHITECTURES, PREFIX_PATH (where GSL is), EXPECTED_VERSION
 cmake_minimum_required(VERSION 3.25)
 include(${CMAKE_CURRENT_LIST_DIR}/packaging_checks.cmake)
+
+set(consumer_build ${WORK_DIR}/consumer-build)
+if(STEP STREQUAL "run")
+  foreach(var WORK_DIR EXPECTED_VERSION)
+    if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
+      message(FATAL_ERROR "consume.cmake: ${var} is not set")
+    endif()
+  endforeach()
+  packaging_run_consumer(${consumer_build}/consumer_cpp consumer_cpp ${EXPECTED_VERSION})
+  packaging_run_consumer(${consumer_build}/consumer_cu consumer_cu ${EXPECTED_VERSION})
+  message(STATUS "packaging ${MODE}: consumers ran as expected")
+  return()
+elseif(NOT STEP STREQUAL "build")
+  message(FATAL_ERROR "consume.cmake: STEP must be build or run, not '${STEP}'")
+endif()
 
 foreach(var MODE SOURCE_DIR WORK_DIR GENERATOR CUDA_COMPILER EXPECTED_VERSION)
   if(NOT DEFINED ${var} OR "${${var}}" STREQUAL "")
@@ -89,7 +111,6 @@ else()
 endif()
 
 # --- the consumer ------------------------------------------------------------------------------
-set(consumer_build ${WORK_DIR}/consumer-build)
 file(WRITE ${WORK_DIR}/consumer.cmake "set(CMAKE_PREFIX_PATH \"${prefix_path}\" CACHE PATH \"\")\n")
 if(CUDA_ARCHITECTURES)
   file(APPEND ${WORK_DIR}/consumer.cmake
@@ -105,6 +126,4 @@ if(MODE STREQUAL "add_subdirectory" OR MODE STREQUAL "fetchcontent")
   packaging_check_embedded(${consumer_build} ${WORK_DIR}/consumer-install)
 endif()
 
-packaging_run_consumer(${consumer_build}/consumer_cpp consumer_cpp ${EXPECTED_VERSION})
-packaging_run_consumer(${consumer_build}/consumer_cu consumer_cu ${EXPECTED_VERSION})
-message(STATUS "packaging ${MODE}: consumers built and ran as expected")
+message(STATUS "packaging ${MODE}: consumers built (STEP=run runs them)")
