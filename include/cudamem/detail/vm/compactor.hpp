@@ -1,0 +1,462 @@
+// cudamem/detail/vm/compactor.hpp — how vm_resource makes room when no free range fits:
+// recycling idle handles to the frontier (a compaction), creating new ones, and giving memory
+// back.
+//
+//   vm_compactor compactor{layer, config, free, handles, space};
+//   std::string cause;
+//   if (!compactor.make_room(needed, whole, cause)) { ... out of memory: cause says why ... }
+//   compactor.release_idle();                   // release(): idle handles go to the driver
+//
+// What it owns: the choices that cost driver calls, and the call counts that show them.
+// - Recycling first, and only what is missing. Handles that lie wholly in free memory are
+//   mapped again at the frontier, next to each other and to the free range already there, so
+//   they become one contiguous free range. Only as many as the request lacks are moved, from
+//   the smallest free runs first: a large free run serves later requests where it is, for
+//   nothing, while moving a handle costs the driver ~25-40 µs (a cuMemMap and the handle's
+//   share of cuMemSetAccess, which is paid per handle, not per byte: bench_vmm_driver). The
+//   host waits first for every stream whose frees cover the handles moved: after that their
+//   memory is idle wherever it is mapped next.
+// - Then growth, for what recycling cannot cover: physical memory in handles of
+//   `handle_bytes`, at least `growth_bytes` per growth while the device gives it (the calls
+//   and the one cuMemSetAccess are paid per growth, not per request), smaller handles near
+//   the end of the device, down to one granule. (Recycling first keeps the footprint at what
+//   is in use.)
+// - Everything new is mapped at the frontier with one cuMemSetAccess per batch. A failure
+//   half-way undoes the batch: new mappings go, fresh handles go back, recycled ones return
+//   to where they were.
+// - Address space: when the active reservation lacks room, another is reserved; only past
+//   `reservations_before_sweep` of them are the stale aliases unmapped (after a host wait).
+//
+// Not thread-safe: vm_resource's mutex guards it and every part it works on.
+#pragma once
+
+#include <cudamem/detail/vm/address_space.hpp>
+#include <cudamem/detail/vm/free_ranges.hpp>
+#include <cudamem/detail/vm/handle_set.hpp>
+#include <cudamem/detail/vm/mapping.hpp>
+#include <cudamem/error.hpp>
+#include <cudamem/out_of_memory.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace cudamem::detail {
+
+/// The sizes and limits vm_resource works with, fixed at construction.
+struct vm_config {
+  std::size_t granule = 0;                    ///< mapping granularity
+  std::size_t handle = 0;                     ///< bytes of a handle, a granule multiple
+  std::size_t growth = 0;                     ///< least bytes a growth creates
+  std::size_t limit = ~std::size_t{0};        ///< most physical bytes (physical_limit)
+  std::size_t reservation = 0;                ///< bytes of one address-space reservation
+  std::size_t reservations_before_sweep = 0;
+
+  /// The config of a vm_resource with options `o` (a vm_resource_options) over `layer`;
+  /// throws std::invalid_argument for a null layer or options no resource can work with.
+  template <class Options>
+  [[nodiscard]] static vm_config from(const vm_mapping_layer* layer, const Options& o) {
+    if (layer == nullptr) {
+      throw std::invalid_argument("cudamem::vm_resource: null mapping layer");
+    }
+    if (o.handle_bytes == 0) {
+      throw std::invalid_argument("cudamem::vm_resource: handle_bytes must not be 0");
+    }
+    if (o.reservations_before_sweep == 0) {
+      throw std::invalid_argument(
+          "cudamem::vm_resource: reservations_before_sweep must not be 0");
+    }
+    vm_config c;
+    c.granule = layer->granularity();
+    c.handle = round_up(o.handle_bytes, c.granule);
+    c.growth = o.growth_bytes;
+    c.limit = o.physical_limit.value_or(~std::size_t{0});
+    c.reservation =
+        round_up(o.reserve_bytes != 0 ? o.reserve_bytes : 4 * layer->device_total(), c.granule);
+    c.reservations_before_sweep = o.reservations_before_sweep;
+    return c;
+  }
+
+  [[nodiscard]] static constexpr std::size_t round_up(std::size_t n, std::size_t unit) noexcept {
+    return (n + unit - 1) / unit * unit;
+  }
+};
+
+/// What the driver was asked to do (vm_stats reports these).
+struct vm_call_counts {
+  std::size_t compactions = 0;
+  std::size_t handles_created = 0;
+  std::size_t maps = 0;
+  std::size_t access_calls = 0;
+  std::size_t unmaps = 0;
+};
+
+class vm_compactor {
+ public:
+  vm_compactor(vm_mapping_layer& layer, const vm_config& config, free_range_index& free,
+               handle_set& handles, address_space& space) noexcept
+      : layer_(layer), config_(config), free_(free), handles_(handles), space_(space) {}
+
+  [[nodiscard]] const vm_call_counts& counts() const noexcept { return counts_; }
+
+  /// Bytes of whole handles lying in free memory: what recycling could move (stats).
+  [[nodiscard]] std::size_t recyclable_bytes() const {
+    std::size_t total = 0;
+    free_.for_each_run([&](std::uintptr_t begin, std::uintptr_t end) {
+      total += handles_.bytes_inside(begin, end);
+    });
+    return total;
+  }
+
+  /// Makes a free range of at least `needed` bytes at the frontier (`whole`: for a block of
+  /// whole handles, which starts at a handle's start): recycles idle handles, then creates
+  /// what is still missing. False (with `cause`, nothing changed) when even that is not
+  /// enough. Throws what the layer throws (nothing changed then either).
+  bool make_room(std::size_t needed, bool whole, std::string& cause) {
+    const auto usable_at_frontier = [&] {
+      const auto tail = free_.ending_at(space_.frontier());
+      if (tail == free_.end()) {
+        return std::size_t{0};
+      }
+      const auto first = whole ? handles_.first_from(tail->first) : handles_.end();
+      const std::uintptr_t start =
+          !whole ? tail->first : (first == handles_.end() ? space_.frontier() : first->first);
+      return static_cast<std::size_t>(space_.frontier() - start);
+    };
+    std::size_t have = usable_at_frontier();
+    // Room for the worst case at the frontier: what is missing, recycled with up to a handle
+    // to spare, or a whole growth created.
+    const std::size_t room =
+        needed + vm_config::round_up(config_.growth, config_.handle) + 2 * config_.handle;
+    if (space_.room() < room) {
+      drop_empty_reservations();
+      if (!handles_.stale.empty() && space_.count() >= config_.reservations_before_sweep) {
+        // Address space is cheap, but not endless: past the limit, the stale aliases go
+        // (a host wait and one cuMemUnmap each). Below it, a fresh reservation is cheaper.
+        wait_and_unmap_stale();
+        drop_empty_reservations();
+      }
+      if (space_.room() < room) {
+        drop_empty_reservations();
+        space_.reserve(layer_, std::max(space_.reservation_bytes(),
+                                        vm_config::round_up(room, config_.granule)));
+      }
+      have = usable_at_frontier();
+    }
+    const std::size_t missing =
+        vm_config::round_up(needed > have ? needed - have : 1, config_.granule);
+    // What recycling can give: the smallest free ranges' handles, just enough (a short walk);
+    // only if they do not add up, every free run, exactly (a walk of the whole index).
+    std::vector<recyclable_run> runs = smallest_recyclable(missing);
+    std::size_t recyclable = total_bytes(runs);
+    if (recyclable < missing) {
+      runs = recyclable_runs(true);
+      recyclable = total_bytes(runs);
+    }
+    const std::size_t required = missing > recyclable ? missing - recyclable : 0;
+    // 1. New physical memory for what recycling cannot cover.
+    std::vector<moved_handle> all;
+    std::size_t created = 0;
+    try {
+      created = create_handles(required, all, cause);
+    } catch (...) {
+      release_fresh(all);
+      throw;
+    }
+    if (created < required) {
+      release_fresh(all);
+      cause += " (" + format_bytes(recyclable) + " recyclable, " + format_bytes(have) +
+               " free at the frontier, " + format_bytes(free_bytes_held()) +
+               " free in all; recycling and growth both tried)";
+      return false;
+    }
+    handles_.device_full = handles_.device_full && created == 0;
+    // 2. Recycle: only when growth alone is not enough, and only what is missing.
+    if (missing > created) {
+      std::vector<moved_handle> recycled;
+      try {
+        recycled = take_recyclable(std::move(runs), missing - created);
+        ++counts_.compactions;
+        handles_.stale.reserve(handles_.stale.size() + recycled.size());
+        all.reserve(all.size() + recycled.size());
+      } catch (...) {
+        undo_mapping(recycled, 0);  // puts recycled handles back where they were
+        release_fresh(all);
+        throw;
+      }
+      for (const moved_handle& h : recycled) {
+        handles_.stale.push_back({h.old_address, h.bytes});
+        all.push_back(h);
+      }
+    }
+    // 3. Map everything at the frontier; set access once.
+    const std::uintptr_t start = space_.frontier();
+    std::size_t mapped = 0;
+    try {
+      for (const moved_handle& h : all) {
+        layer_.map(start + mapped, h.bytes, h.handle);
+        ++counts_.maps;
+        mapped += h.bytes;
+      }
+      layer_.set_access(start, mapped);
+      ++counts_.access_calls;
+    } catch (...) {
+      undo_mapping(all, mapped);
+      throw;
+    }
+    std::size_t offset = 0;
+    for (const moved_handle& h : all) {
+      handles_.add(start + offset, mapped_handle{h.handle, h.bytes});
+      offset += h.bytes;
+    }
+    handles_.mapped_bytes += created;
+    space_.advance(mapped);
+    free_.insert(start, {mapped, nullptr, true});
+    return true;
+  }
+
+  /// release(): waits for every recorded free, unmaps every stale alias, and gives every
+  /// handle lying wholly in free memory back to the driver; returns the bytes given back.
+  std::size_t release_idle() {
+    wait_and_unmap_stale();
+    std::size_t released = 0;
+    for (const moved_handle& h : take_recyclable(recyclable_runs(false))) {
+      layer_.unmap(h.old_address, h.bytes);
+      ++counts_.unmaps;
+      layer_.release(h.handle);
+      released += h.bytes;
+    }
+    handles_.mapped_bytes -= released;
+    handles_.device_full = false;
+    drop_empty_reservations();
+    return released;
+  }
+
+  /// Destruction: waits for every recorded free, then unmaps and releases everything.
+  void release_all() noexcept {
+    layer_.wait_for_all_frees();
+    for (const vm_alias& m : handles_.stale) {
+      layer_.unmap(m.address, m.bytes);
+    }
+    for (const auto& [address, h] : handles_.all()) {
+      layer_.unmap(address, h.bytes);
+      layer_.release(h.handle);
+    }
+    space_.free_all(layer_);
+  }
+
+ private:
+  /// A handle on its way to the frontier: freshly created (old_address 0) or recycled.
+  struct moved_handle {
+    vm_handle handle;
+    std::size_t bytes;
+    std::uintptr_t old_address;  ///< 0: freshly created, never mapped
+  };
+
+  /// A maximal run of free memory and the bytes of the handles lying wholly inside it: what a
+  /// compaction may recycle from it.
+  struct recyclable_run {
+    std::uintptr_t begin;
+    std::uintptr_t end;
+    std::size_t bytes;
+  };
+
+  [[nodiscard]] std::size_t free_bytes_held() const {
+    std::size_t total = 0;
+    free_.for_each_run([&](std::uintptr_t begin, std::uintptr_t end) { total += end - begin; });
+    return total;
+  }
+
+  [[nodiscard]] static std::size_t total_bytes(const std::vector<recyclable_run>& runs) noexcept {
+    std::size_t total = 0;
+    for (const recyclable_run& r : runs) {
+      total += r.bytes;
+    }
+    return total;
+  }
+
+  /// Creates handles for at least `required` bytes into `out`; returns the bytes created
+  /// (less than required, with `cause`, when the device or the limit says no). A growth
+  /// creates at least `growth` while the device gives it; near the end of the device smaller
+  /// handles are made, down to one granule. Once the device has said "full", one probe per
+  /// shortfall.
+  std::size_t create_handles(std::size_t required, std::vector<moved_handle>& out,
+                             std::string& cause) {
+    const std::size_t granule = config_.granule;
+    const std::size_t handle = config_.handle;
+    // Whole handles: what is created beyond the request stays free for the next one.
+    const std::size_t wanted = required == 0 || handles_.device_full
+                                   ? required
+                                   : std::max(vm_config::round_up(required, handle),
+                                              vm_config::round_up(config_.growth, handle));
+    std::size_t piece =
+        handles_.device_full ? std::min(handle, vm_config::round_up(required, granule)) : handle;
+    std::size_t created = 0;
+    while (created < wanted) {
+      const std::size_t held = handles_.mapped_bytes + created;
+      if (held + piece > config_.limit) {
+        piece = config_.limit > held ? (config_.limit - held) / granule * granule : 0;
+        if (piece == 0) {
+          cause = "the physical limit (" + format_bytes(config_.limit) + ") is reached";
+          break;
+        }
+      }
+      out.reserve(out.size() + 1);  // so the push below cannot throw and leak the handle
+      if (const auto h = layer_.create(piece)) {
+        out.push_back({*h, piece, 0});
+        handles_.smallest = std::min(handles_.smallest, piece);
+        created += piece;
+        ++counts_.handles_created;
+      } else if (created >= required) {
+        break;  // what was needed is there; the extra is not
+      } else if (handles_.device_full || piece == granule) {
+        handles_.device_full = true;
+        cause = "the device has no physical memory left";
+        break;
+      } else {
+        piece = std::max(granule, piece / 2 / granule * granule);
+      }
+    }
+    return created;
+  }
+
+  /// Every free run holding a whole handle, in address order (one walk of the free ranges).
+  /// With `keep_tail`, the free range at the frontier is left out: it is already where a
+  /// compaction puts things.
+  [[nodiscard]] std::vector<recyclable_run> recyclable_runs(bool keep_tail) {
+    const auto tail = keep_tail ? free_.ending_at(space_.frontier()) : free_.end();
+    const std::uintptr_t tail_start = tail != free_.end() ? tail->first : 0;
+    std::vector<recyclable_run> runs;
+    free_.for_each_run([&](std::uintptr_t begin, std::uintptr_t end) {
+      if (tail_start != 0 && end == space_.frontier()) {
+        end = tail_start;
+      }
+      if (const std::size_t bytes = handles_.bytes_inside(begin, end); bytes != 0) {
+        runs.push_back({begin, end, bytes});
+      }
+    });
+    return runs;
+  }
+
+  /// Free ranges holding whole handles, smallest first, until their handles add up to
+  /// `wanted` bytes (fewer if there are not enough); the frontier's tail is left out. Ranges
+  /// smaller than the smallest handle ever made hold none and are not looked at.
+  [[nodiscard]] std::vector<recyclable_run> smallest_recyclable(std::size_t wanted) {
+    const auto tail = free_.ending_at(space_.frontier());
+    const std::uintptr_t tail_start = tail != free_.end() ? tail->first : 0;
+    std::vector<recyclable_run> runs;
+    std::size_t total = 0;
+    for (auto it = free_.smallest_from(handles_.smallest); it != free_.size_end() && total < wanted;
+         ++it) {
+      const std::uintptr_t begin = it->second;
+      if (begin == tail_start) {
+        continue;
+      }
+      const std::uintptr_t end = begin + it->first;
+      if (const std::size_t bytes = handles_.bytes_inside(begin, end); bytes != 0) {
+        runs.push_back({begin, end, bytes});
+        total += bytes;
+      }
+    }
+    return runs;
+  }
+
+  /// Takes handles of `runs` out of the index, at least `wanted` bytes of them (all by
+  /// default), smallest runs first, cutting their bytes out of the free ranges (the remnants
+  /// keep their tags). The host waits first for every stream whose frees cover them: after
+  /// this, their memory is idle.
+  std::vector<moved_handle> take_recyclable(std::vector<recyclable_run> runs,
+                                            std::size_t wanted = ~std::size_t{0}) {
+    if (wanted < total_bytes(runs)) {
+      std::stable_sort(runs.begin(), runs.end(),
+                       [](const recyclable_run& a, const recyclable_run& b) {
+                         return a.end - a.begin < b.end - b.begin;
+                       });
+    }
+    std::vector<moved_handle> out;
+    std::size_t taken = 0;
+    for (const recyclable_run& r : runs) {
+      if (taken >= wanted) {
+        break;
+      }
+      handles_.for_each_inside(r.begin, r.end, [&](std::uintptr_t address, const mapped_handle& h) {
+        if (taken < wanted) {
+          out.push_back({h.handle, h.bytes, address});
+          taken += h.bytes;
+        }
+      });
+    }
+    std::vector<cudaStream_t> pending;
+    for (const moved_handle& t : out) {
+      free_.cut(t.old_address, t.bytes, pending);
+      handles_.erase(t.old_address);
+    }
+    for (cudaStream_t s : pending) {
+      layer_.wait_for_free(s);  // recycled memory must be idle wherever it is mapped next
+    }
+    return out;
+  }
+
+  void release_fresh(const std::vector<moved_handle>& fresh) noexcept {
+    for (const moved_handle& h : fresh) {
+      if (h.old_address == 0) {
+        layer_.release(h.handle);
+      }
+    }
+  }
+
+  /// A map or set_access failed: the new mappings go, fresh handles go back, recycled ones
+  /// return to their old addresses (still mapped there) as free, idle memory.
+  void undo_mapping(const std::vector<moved_handle>& all, std::size_t mapped) noexcept {
+    std::size_t offset = 0;
+    for (const moved_handle& h : all) {
+      if (offset >= mapped) {
+        break;
+      }
+      layer_.unmap(space_.frontier() + offset, h.bytes);  // never used: nothing in flight
+      ++counts_.unmaps;
+      offset += h.bytes;
+    }
+    release_fresh(all);
+    for (const moved_handle& h : all) {
+      if (h.old_address == 0) {
+        continue;
+      }
+      std::erase_if(handles_.stale, [&](const vm_alias& m) { return m.address == h.old_address; });
+      try {
+        handles_.add(h.old_address, mapped_handle{h.handle, h.bytes});
+        free_.insert(h.old_address, {h.bytes, nullptr, true});
+      } catch (...) {  // out of host memory while undoing: the handle stays mapped, unused
+      }
+    }
+  }
+
+  /// Waits for every recorded free, then unmaps every stale alias.
+  void wait_and_unmap_stale() noexcept {
+    layer_.wait_for_all_frees();
+    free_.mark_all_complete();
+    for (const vm_alias& m : handles_.stale) {
+      layer_.unmap(m.address, m.bytes);
+      ++counts_.unmaps;
+    }
+    handles_.stale.clear();
+  }
+
+  void drop_empty_reservations() noexcept {
+    space_.drop_empty(layer_, [this](std::uintptr_t base, std::size_t bytes) {
+      return handles_.any_mapped_in(base, bytes);
+    });
+  }
+
+  vm_mapping_layer& layer_;
+  const vm_config& config_;
+  free_range_index& free_;
+  handle_set& handles_;
+  address_space& space_;
+  vm_call_counts counts_;
+};
+
+}  // namespace cudamem::detail

@@ -1,0 +1,186 @@
+// cudamem/detail/vm/free_ranges.hpp — vm_resource's index of free ranges: mapped memory that
+// is not handed out, by address (to merge neighbours) and by size (best fit).
+//
+//   free_range_index free;
+//   free.insert(address, {bytes, stream, false});       // merges with free neighbours
+//   auto fit = free.smallest_from(needed);              // best fit: walk up by size
+//   free.cut(address, bytes, pending_streams);          // a handle leaves: cut it out
+//
+// What it owns. Each free range carries a tag: the stream its last free was recorded on, and
+// whether it is `complete` (no work may still touch it: a synchronous free, or the host
+// waited). Tags decide merging: two address neighbours merge when they were freed on the same
+// stream or one of them is complete, and the merged range then waits for the other's stream —
+// never less than needed. Ranges freed on different streams, both pending, stay apart, so a
+// request on one stream never waits for another's work without cause.
+// The index does not know about handles or the frontier: vm_resource and the compactor
+// (detail/vm/compactor.hpp) decide what to take; this keeps both orders exact.
+//
+// Not thread-safe: vm_resource's mutex guards it.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
+#include <map>
+#include <set>
+#include <utility>
+#include <vector>
+
+namespace cudamem::detail {
+
+/// A free range: mapped, not handed out. `stream` is where its last free was recorded;
+/// `complete` means no work may still touch it.
+struct free_range {
+  std::size_t bytes;
+  cudaStream_t stream;
+  bool complete;
+};
+
+class free_range_index {
+ public:
+  using by_address = std::map<std::uintptr_t, free_range>;
+  using by_size = std::set<std::pair<std::size_t, std::uintptr_t>>;
+
+  [[nodiscard]] std::size_t count() const noexcept { return by_address_.size(); }
+  [[nodiscard]] std::size_t largest() const noexcept {
+    return by_size_.empty() ? 0 : by_size_.rbegin()->first;
+  }
+
+  [[nodiscard]] by_address::iterator begin() noexcept { return by_address_.begin(); }
+  [[nodiscard]] by_address::iterator end() noexcept { return by_address_.end(); }
+  [[nodiscard]] by_address::iterator find(std::uintptr_t address) {
+    return by_address_.find(address);
+  }
+
+  /// Free ranges of at least `bytes`, smallest first (best fit walks up from here).
+  [[nodiscard]] by_size::const_iterator smallest_from(std::size_t bytes) const {
+    return by_size_.lower_bound({bytes, 0});
+  }
+  [[nodiscard]] by_size::const_iterator size_end() const noexcept { return by_size_.end(); }
+
+  /// Inserts a free range, merging it with mergeable address neighbours.
+  void insert(std::uintptr_t address, free_range range) {
+    const auto next = by_address_.find(address + range.bytes);
+    if (next != by_address_.end() && mergeable(range, next->second)) {
+      range = merged(range, next->second);
+      erase(next);
+    }
+    const auto after = by_address_.lower_bound(address);
+    if (after != by_address_.begin()) {
+      const auto prev = std::prev(after);
+      if (prev->first + prev->second.bytes == address && mergeable(prev->second, range)) {
+        address = prev->first;
+        range = merged(prev->second, range);
+        erase(prev);
+      }
+    }
+    insert_unmerged(address, range);
+  }
+
+  /// Inserts a range as it is (a remnant of a range just taken apart: its neighbours were not
+  /// mergeable with the whole, and are not with the part).
+  void insert_unmerged(std::uintptr_t address, free_range range) {
+    by_address_.emplace(address, range);
+    by_size_.emplace(range.bytes, address);
+  }
+
+  void erase(by_address::iterator it) noexcept {
+    by_size_.erase({it->second.bytes, it->first});
+    by_address_.erase(it);
+  }
+
+  /// Takes [start, end) out of the free range at `node`; the remnants on either side keep its
+  /// tag. The caller has checked that the range holds [start, end).
+  void carve(by_address::iterator node, std::uintptr_t start, std::uintptr_t end) {
+    const std::uintptr_t address = node->first;
+    const free_range range = node->second;
+    erase(node);
+    if (start > address) {
+      insert_unmerged(address, {start - address, range.stream, range.complete});
+    }
+    if (end < address + range.bytes) {
+      insert_unmerged(end, {address + range.bytes - end, range.stream, range.complete});
+    }
+  }
+
+  /// Cuts [begin, begin + bytes) out of every free range it overlaps (a handle being moved
+  /// away); adds to `pending` each stream whose frees in it are not known complete.
+  void cut(std::uintptr_t begin, std::size_t bytes, std::vector<cudaStream_t>& pending) {
+    auto it = by_address_.upper_bound(begin);
+    if (it != by_address_.begin()) {
+      --it;
+    }
+    while (it != by_address_.end() && it->first < begin + bytes) {
+      const std::uintptr_t b0 = it->first;
+      const std::uintptr_t b1 = b0 + it->second.bytes;
+      const free_range tag = it->second;
+      if (b1 <= begin) {
+        ++it;
+        continue;
+      }
+      if (!tag.complete && std::find(pending.begin(), pending.end(), tag.stream) == pending.end()) {
+        pending.push_back(tag.stream);
+      }
+      const auto next = std::next(it);
+      erase(it);
+      if (b0 < begin) {
+        insert_unmerged(b0, {begin - b0, tag.stream, tag.complete});
+      }
+      if (b1 > begin + bytes) {
+        insert_unmerged(begin + bytes, {b1 - begin - bytes, tag.stream, tag.complete});
+      }
+      it = next;
+    }
+  }
+
+  /// The host has waited for every free: every range is idle.
+  void mark_all_complete() noexcept {
+    for (auto& [address, range] : by_address_) {
+      range.complete = true;
+    }
+  }
+
+  /// The free range that ends at `frontier` (new mappings extend it), or end().
+  [[nodiscard]] by_address::iterator ending_at(std::uintptr_t frontier) {
+    if (frontier == 0) {
+      return by_address_.end();
+    }
+    const auto after = by_address_.lower_bound(frontier);
+    if (after == by_address_.begin()) {
+      return by_address_.end();
+    }
+    const auto last = std::prev(after);
+    return last->first + last->second.bytes == frontier ? last : by_address_.end();
+  }
+
+  /// Calls f(begin, end) for every maximal run of address-adjacent free ranges.
+  template <class F>
+  void for_each_run(F&& f) const {
+    auto it = by_address_.begin();
+    while (it != by_address_.end()) {
+      const std::uintptr_t begin = it->first;
+      std::uintptr_t end = begin + it->second.bytes;
+      for (++it; it != by_address_.end() && it->first == end; ++it) {
+        end += it->second.bytes;
+      }
+      f(begin, end);
+    }
+  }
+
+ private:
+  static bool mergeable(const free_range& a, const free_range& b) noexcept {
+    return a.complete || b.complete || a.stream == b.stream;
+  }
+  static free_range merged(const free_range& a, const free_range& b) noexcept {
+    const free_range& tag = a.complete ? b : a;
+    return {a.bytes + b.bytes, tag.stream, a.complete && b.complete};
+  }
+
+  by_address by_address_;
+  by_size by_size_;
+};
+
+}  // namespace cudamem::detail

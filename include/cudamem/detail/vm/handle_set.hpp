@@ -1,0 +1,121 @@
+// cudamem/detail/vm/handle_set.hpp — vm_resource's physical memory: every handle it holds,
+// where each is mapped now, and the stale aliases recycling left behind.
+//
+//   handle_set handles;
+//   handles.add(address, {h, 64 << 20});                   // mapped at `address`
+//   auto spot = handles.place_whole(begin, end, size);     // whole handles inside a free range
+//   std::size_t idle = handles.bytes_inside(begin, end);   // what a compaction could move
+//
+// What it owns
+// - The map from the address a handle is mapped at now to the handle and its size. Handles
+//   tile every mapped range, free or live, so a free range's recyclable memory is exactly the
+//   handles lying wholly inside it.
+// - Placement of whole-handle blocks: a request of a handle or more starts at a handle's start
+//   and ends at a handle's end, so that once freed every handle under it is wholly free and can
+//   be recycled; the rest of its last handle is waste while it lives (at most one handle).
+// - Stale aliases: the old address of a recycled handle stays mapped (a cuMemUnmap costs
+//   17-31 µs and is unsafe while a kernel may read) until release(), destruction, or an
+//   address-space sweep unmaps it.
+// - Physical accounting: bytes held, the smallest handle ever made (a free range smaller than
+//   that holds none and need not be looked at), and whether the last growth found the device
+//   full (then one probe per shortfall, not a ladder of failing calls).
+//
+// Not thread-safe: vm_resource's mutex guards it.
+#pragma once
+
+#include <cudamem/detail/vm/mapping.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <vector>
+
+namespace cudamem::detail {
+
+struct mapped_handle {
+  vm_handle handle;
+  std::size_t bytes;
+};
+
+/// A mapping with no handle bookkeeping left: a stale alias awaiting its unmap.
+struct vm_alias {
+  std::uintptr_t address;
+  std::size_t bytes;
+};
+
+/// Where a block goes inside a free range: [start, end).
+struct vm_placement {
+  std::uintptr_t start;
+  std::uintptr_t end;
+};
+
+class handle_set {
+ public:
+  using map_type = std::map<std::uintptr_t, mapped_handle>;
+
+  [[nodiscard]] std::size_t count() const noexcept { return by_address_.size(); }
+  [[nodiscard]] const map_type& all() const noexcept { return by_address_; }
+  [[nodiscard]] map_type::const_iterator first_from(std::uintptr_t address) const {
+    return by_address_.lower_bound(address);
+  }
+  [[nodiscard]] map_type::const_iterator end() const noexcept { return by_address_.end(); }
+
+  void add(std::uintptr_t address, mapped_handle h) { by_address_.emplace(address, h); }
+  void erase(std::uintptr_t address) noexcept { by_address_.erase(address); }
+
+  /// Where a block of `size` bytes of whole handles goes inside the free range [begin, end),
+  /// or nullopt: from the first handle starting in it to the end of the last handle it needs.
+  [[nodiscard]] std::optional<vm_placement> place_whole(std::uintptr_t begin, std::uintptr_t end,
+                                                        std::size_t size) const {
+    const auto first = by_address_.lower_bound(begin);  // handles tile every free range
+    if (first == by_address_.end() || first->first + size > end) {
+      return std::nullopt;
+    }
+    auto last = by_address_.upper_bound(first->first + size - 1);
+    --last;
+    const std::uintptr_t stop = last->first + last->second.bytes;
+    if (stop > end) {
+      return std::nullopt;
+    }
+    return vm_placement{first->first, stop};
+  }
+
+  /// Calls f(address, handle) for every handle mapped wholly inside [begin, end).
+  template <class F>
+  void for_each_inside(std::uintptr_t begin, std::uintptr_t end, F&& f) const {
+    for (auto h = by_address_.lower_bound(begin);
+         h != by_address_.end() && h->first + h->second.bytes <= end; ++h) {
+      f(h->first, h->second);
+    }
+  }
+
+  /// Bytes of the handles mapped wholly inside [begin, end).
+  [[nodiscard]] std::size_t bytes_inside(std::uintptr_t begin, std::uintptr_t end) const {
+    std::size_t bytes = 0;
+    for_each_inside(begin, end, [&](std::uintptr_t, const mapped_handle& h) { bytes += h.bytes; });
+    return bytes;
+  }
+
+  /// Whether a handle or a stale alias is mapped in [base, base + bytes).
+  [[nodiscard]] bool any_mapped_in(std::uintptr_t base, std::size_t bytes) const {
+    const auto h = by_address_.lower_bound(base);
+    if (h != by_address_.end() && h->first < base + bytes) {
+      return true;
+    }
+    return std::any_of(stale.begin(), stale.end(), [&](const vm_alias& m) {
+      return m.address >= base && m.address < base + bytes;
+    });
+  }
+
+  std::vector<vm_alias> stale;                   ///< retired aliases to unmap later
+  std::size_t mapped_bytes = 0;                  ///< physical memory held
+  std::size_t smallest = ~std::size_t{0};        ///< smallest handle ever created
+  bool device_full = false;                      ///< the last growth found the device full
+
+ private:
+  map_type by_address_;  ///< current address -> handle
+};
+
+}  // namespace cudamem::detail
