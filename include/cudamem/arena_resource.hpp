@@ -33,8 +33,13 @@
 // - Not thread-safe: use one arena per thread (it is the cheapest object there is).
 // - Stats: reserved = bytes of the chunks held, used = bytes handed out since the last
 //   rewind/release (alignment padding included), peak = the most `used` has been.
+// - compute-sanitizer: over device memory each chunk is an NVTX heap and each allocation a
+//   region of it until a rewind past it or release() (detail/nvtx.hpp), so memcheck reports
+//   an access past an allocation's size, or to memory rewound away, as it does for cudaMalloc.
+//   Off with CUDAMEM_NVTX=0; nothing is called when no tool is attached.
 #pragma once
 
+#include <cudamem/detail/nvtx.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 
@@ -67,7 +72,8 @@ class arena_resource final : public memory_resource {
  public:
   explicit arena_resource(memory_resource& upstream, arena_options options = {})
       : memory_resource(upstream.kind(), upstream.device()), upstream_(&upstream),
-        options_(options), next_chunk_size_(options.initial_chunk_size) {
+        options_(options), next_chunk_size_(options.initial_chunk_size),
+        annotates_(upstream.kind() == memory_kind::device && upstream.device() >= 0) {
     if (options_.initial_chunk_size == 0 || options_.maximum_chunk_size == 0 ||
         !(options_.growth_factor >= 1.0)) {
       throw std::invalid_argument(
@@ -97,6 +103,9 @@ class arena_resource final : public memory_resource {
     current_ = m.chunk;
     offset_ = m.offset;
     used_ = m.used;
+    if (annotations_.active()) [[unlikely]] {
+      forget_regions_after(m);
+    }
   }
 
   /// Number of chunks held.
@@ -106,13 +115,46 @@ class arena_resource final : public memory_resource {
   struct chunk {
     std::uintptr_t base;
     std::size_t size;
+    void* heap = nullptr;  ///< its NVTX heap; nullptr when not annotated
+  };
+  /// An allocation registered with a tool: where it is, for rewind.
+  struct region {
+    std::size_t chunk;
+    std::uintptr_t address;
   };
 
   void* do_allocate(std::size_t bytes, std::size_t alignment, stream_view /*stream*/) override {
-    return bump(bytes, alignment);
+    void* p = bump(bytes, alignment);
+    if (annotations_.active()) [[unlikely]] {
+      annotate(p, bytes);
+    }
+    return p;
   }
   void* do_allocate_sync(std::size_t bytes, std::size_t alignment) override {
-    return bump(bytes, alignment);
+    void* p = bump(bytes, alignment);
+    if (annotations_.active()) [[unlikely]] {
+      annotate(p, bytes);
+    }
+    return p;
+  }
+
+  /// Tells the tool that [p, p + bytes) in the current chunk is live, and remembers it.
+  void annotate(void* p, std::size_t bytes) {
+    regions_.push_back({current_, reinterpret_cast<std::uintptr_t>(p)});  // may throw: not yet told
+    annotations_.add_region(chunks_[current_].heap, p, bytes);
+  }
+
+  /// A rewind to `m`: regions allocated after it are free again (newest first).
+  void forget_regions_after(const arena_mark& m) noexcept {
+    while (!regions_.empty()) {
+      const region& r = regions_.back();
+      if (r.chunk < m.chunk ||
+          (r.chunk == m.chunk && r.address < chunks_[r.chunk].base + m.offset)) {
+        break;
+      }
+      annotations_.remove_region(reinterpret_cast<const void*>(r.address));
+      regions_.pop_back();
+    }
   }
   void do_deallocate(void*, std::size_t, std::size_t, stream_view) noexcept override {}
   void do_deallocate_sync(void*, std::size_t, std::size_t) noexcept override {}
@@ -149,7 +191,9 @@ class arena_resource final : public memory_resource {
       const std::size_t size = std::max(needed, next_chunk_size_);
       chunks_.reserve(chunks_.size() + 1);  // before asking: a bad_alloc here leaks nothing
       void* p = upstream_->allocate(size, std::max(alignment, default_alignment));
-      chunks_.push_back({reinterpret_cast<std::uintptr_t>(p), size});
+      void* heap = annotates_ ? annotations_.add_heap(p, size, "cudamem::arena_resource chunk")
+                              : nullptr;
+      chunks_.push_back({reinterpret_cast<std::uintptr_t>(p), size, heap});
       reserved_ += size;
       const double grown = static_cast<double>(next_chunk_size_) * options_.growth_factor;
       next_chunk_size_ = grown >= static_cast<double>(options_.maximum_chunk_size)
@@ -166,7 +210,9 @@ class arena_resource final : public memory_resource {
   }
 
   void release_chunks(const stream_view* s) noexcept {
+    regions_.clear();
     for (const chunk& c : chunks_) {
+      annotations_.remove_heap(c.heap);  // and every region in it
       if (s != nullptr) {
         upstream_->deallocate(reinterpret_cast<void*>(c.base), c.size, default_alignment, *s);
       } else {
@@ -200,6 +246,9 @@ class arena_resource final : public memory_resource {
   std::size_t peak_ = 0;
   std::size_t reserved_ = 0;
   std::size_t next_chunk_size_;
+  bool annotates_;  ///< device memory: chunks and allocations are told to NVTX tools
+  detail::memory_annotations annotations_;
+  std::vector<region> regions_;  ///< registered allocations, oldest first (only with a tool)
 };
 
 /// Rewinds an arena to where it was when the scope began; see arena_resource's contract.

@@ -1,0 +1,236 @@
+// One memory bug (or none) per run, over a cudamem resource or over cudaMalloc for reference:
+// the child program that tests/gpu/sanitizer/check_report.cmake runs under compute-sanitizer,
+// to prove that a bug inside a pool is as visible to the tool as one in a cudaMalloc'd buffer.
+//
+//   planted_bugs MODE        prints "planted_bugs MODE: done" and exits 0 when it ran
+//
+// Modes (RESOURCE is cudamalloc, pool, arena or vm_pool):
+//   oob-RESOURCE      writes one element past block a, whose neighbour b in the same chunk is
+//                     live (memcheck: "Invalid __global__ write")
+//   uaf-RESOURCE      reads block a after it was freed (memcheck: "Invalid __global__ read");
+//                     not for arena (its deallocate frees nothing; rewind is its free)
+//   uninit-RESOURCE   reads a fresh block nobody wrote (initcheck: "Uninitialized __global__
+//                     memory read")
+//   rewind-arena      reads arena memory after the scope that held it rewound (memcheck)
+//   reuse-pool        a 4096-byte block freed on s and taken at once on s by a 4000-byte
+//                     request (the same block) is a new region: a write at byte 4000 is out
+//                     of bounds (memcheck)
+//   correct           every resource used correctly: nothing to report, nothing leaked
+// With no usable device it prints one line and exits 69.
+#include <cudamem/arena_resource.hpp>
+#include <cudamem/device_resource.hpp>
+#include <cudamem/error.hpp>
+#include <cudamem/pool_resource.hpp>
+#include <cudamem/stream.hpp>
+#include <cudamem/vm_pool_resource.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <string>
+
+namespace {
+
+constexpr int exit_no_device = 69;
+constexpr std::size_t n = 1024;               // floats per block: 4 KiB, a multiple of 256
+constexpr std::size_t bytes = n * sizeof(float);
+
+__global__ void write_at(float* p, std::size_t i, float v) { p[i] = v; }
+__global__ void fill(float* p, std::size_t count, float v) {
+  const std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x;
+  if (i < count) {
+    p[i] = v;
+  }
+}
+__global__ void sum_into(const float* p, std::size_t count, float* out) {
+  float s = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    s += p[i];
+  }
+  *out = s;
+}
+
+void launched(const char* what) { cudamem::check(cudaGetLastError(), what); }
+
+/// Allocates and frees through one resource kind, so every mode runs the same code over each.
+struct source {
+  std::string kind;
+  cudamem::stream s;
+  std::unique_ptr<cudamem::device_resource> device;
+  std::unique_ptr<cudamem::pool_resource> pool;
+  std::unique_ptr<cudamem::arena_resource> arena;
+  std::unique_ptr<cudamem::vm_pool_resource> vm_pool;
+
+  explicit source(std::string k) : kind(std::move(k)) {
+    if (kind == "pool" || kind == "arena") {
+      device = std::make_unique<cudamem::device_resource>();
+      pool = std::make_unique<cudamem::pool_resource>(*device);
+    }
+    if (kind == "arena") {
+      arena = std::make_unique<cudamem::arena_resource>(*pool);
+    }
+    if (kind == "vm_pool") {
+      vm_pool = std::make_unique<cudamem::vm_pool_resource>(0);
+    }
+  }
+  cudamem::memory_resource* resource() {
+    if (arena) return arena.get();
+    if (pool) return pool.get();
+    return vm_pool.get();
+  }
+  float* allocate(std::size_t b) {
+    if (kind == "cudamalloc") {
+      void* p = nullptr;
+      cudamem::check(cudaMalloc(&p, b), "cudaMalloc");
+      return static_cast<float*>(p);
+    }
+    return static_cast<float*>(resource()->allocate(b, 256, s));
+  }
+  void deallocate(float* p, std::size_t b) {
+    if (kind == "cudamalloc") {
+      cudamem::check(cudaFree(p), "cudaFree");
+      return;
+    }
+    resource()->deallocate(p, b, 256, s);
+  }
+};
+
+/// a and b side by side: writing a[n] lands in b (for a pool, in the same chunk).
+void out_of_bounds(source& src) {
+  float* a = src.allocate(bytes);
+  float* b = src.allocate(bytes);
+  std::printf("a=%p b=%p (b - a = %td floats)\n", static_cast<void*>(a), static_cast<void*>(b),
+              b - a);
+  fill<<<(n + 255) / 256, 256, 0, src.s.get()>>>(b, n, 1.0f);
+  write_at<<<1, 1, 0, src.s.get()>>>(a, n, 2.0f);  // the bug: one past the end of a
+  launched("write_at");
+  src.s.synchronize();
+  src.deallocate(b, bytes);
+  src.deallocate(a, bytes);
+  src.s.synchronize();
+}
+
+void use_after_free(source& src) {
+  float* a = src.allocate(bytes);
+  float* keep = src.allocate(bytes);  // keeps the chunk alive: the pool cannot return it
+  fill<<<(n + 255) / 256, 256, 0, src.s.get()>>>(a, n, 1.0f);
+  src.deallocate(a, bytes);
+  float* out = src.allocate(sizeof(float));
+  sum_into<<<1, 1, 0, src.s.get()>>>(a, n, out);  // the bug: a was freed
+  launched("sum_into");
+  src.s.synchronize();
+  src.deallocate(out, sizeof(float));
+  src.deallocate(keep, bytes);
+  src.s.synchronize();
+}
+
+void uninitialised(source& src) {
+  float* a = src.allocate(bytes);
+  float* out = src.allocate(sizeof(float));
+  sum_into<<<1, 1, 0, src.s.get()>>>(a, n, out);  // the bug: nobody wrote a
+  launched("sum_into");
+  src.s.synchronize();
+  src.deallocate(out, sizeof(float));
+  src.deallocate(a, bytes);
+  src.s.synchronize();
+}
+
+void rewound_arena() {
+  source src{"arena"};
+  float* out = src.allocate(sizeof(float));
+  float* a = nullptr;
+  {
+    cudamem::arena_scope scope{*src.arena};
+    a = src.allocate(bytes);
+    fill<<<(n + 255) / 256, 256, 0, src.s.get()>>>(a, n, 1.0f);
+  }
+  sum_into<<<1, 1, 0, src.s.get()>>>(a, n, out);  // the bug: the scope rewound a away
+  launched("sum_into");
+  src.s.synchronize();
+}
+
+void reused_block() {
+  source src{"pool"};
+  float* a = src.allocate(4096);
+  fill<<<4, 256, 0, src.s.get()>>>(a, 1024, 1.0f);
+  src.deallocate(a, 4096);
+  float* b = src.allocate(4000);  // the same block, from the cache, on the same stream
+  std::printf("reused: %s\n", a == b ? "same block" : "another block");
+  write_at<<<1, 1, 0, src.s.get()>>>(b, 1000, 2.0f);  // the bug: byte 4000 of a 4000-byte block
+  launched("write_at");
+  src.s.synchronize();
+  src.deallocate(b, 4000);
+  src.s.synchronize();
+}
+
+void correct() {
+  for (const char* kind : {"cudamalloc", "pool", "arena", "vm_pool"}) {
+    source src{kind};
+    float* a = src.allocate(bytes);
+    float* b = src.allocate(bytes);
+    float* out = src.allocate(sizeof(float));
+    fill<<<(n + 255) / 256, 256, 0, src.s.get()>>>(a, n, 1.0f);
+    fill<<<(n + 255) / 256, 256, 0, src.s.get()>>>(b, n, 2.0f);
+    sum_into<<<1, 1, 0, src.s.get()>>>(a, n, out);
+    launched("sum_into");
+    float sum = 0;
+    cudamem::check(cudaMemcpyAsync(&sum, out, sizeof sum, cudaMemcpyDeviceToHost, src.s.get()),
+                   "cudaMemcpyAsync");
+    src.s.synchronize();
+    if (sum != static_cast<float>(n)) {
+      std::fprintf(stderr, "correct: %s summed %f, expected %zu\n", kind, sum, n);
+      std::exit(1);
+    }
+    src.deallocate(out, sizeof(float));
+    src.deallocate(b, bytes);
+    src.deallocate(a, bytes);
+    src.s.synchronize();
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: planted_bugs MODE\n");
+    return 2;
+  }
+  const std::string mode = argv[1];
+  int count = 0;
+  if (const cudaError_t code = cudaGetDeviceCount(&count); code != cudaSuccess || count == 0) {
+    std::printf("planted_bugs: no usable CUDA device (%s)\n",
+                code != cudaSuccess ? cudaGetErrorName(code) : "0 devices");
+    return exit_no_device;
+  }
+  const auto dash = mode.find('-');
+  const std::string what = mode.substr(0, dash);
+  const std::string kind = dash == std::string::npos ? "" : mode.substr(dash + 1);
+  if (what == "oob") {
+    source src{kind};
+    out_of_bounds(src);
+  } else if (what == "uaf") {
+    source src{kind};
+    use_after_free(src);
+  } else if (what == "uninit") {
+    source src{kind};
+    uninitialised(src);
+  } else if (mode == "rewind-arena") {
+    rewound_arena();
+  } else if (mode == "reuse-pool") {
+    reused_block();
+  } else if (mode == "correct") {
+    correct();
+  } else {
+    std::fprintf(stderr, "planted_bugs: unknown mode %s\n", mode.c_str());
+    return 2;
+  }
+  std::printf("planted_bugs %s: done\n", mode.c_str());
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "planted_bugs: %s\n", e.what());
+  return 1;
+}
