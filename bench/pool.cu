@@ -5,7 +5,9 @@
 //   ./run bench pool                   # on a GPU machine
 //   ./run bench pool --simulated       # no GPU: the pool and arena over a simulated device,
 //                                      # i.e. the host-side cost of their bookkeeping
-//   options: --reps N (default 7), --trace NAME (only that trace)
+//   options: --reps N (default 7), --trace NAME (only that trace), --only-pool (no peers)
+//   bench/nvtx_cost.sh BUILD_DIR      # the pool with and without its NVTX annotations
+//                                      # (bench_pool_nvtx_off: -DCUDAMEM_NVTX=0), interleaved
 //
 // Peers: cudaMalloc/cudaFree; cudaMallocAsync/cudaFreeAsync on the device's default memory
 // pool with release threshold UINT64_MAX; cub::CachingDeviceAllocator(8, 3, 22, 64 GiB);
@@ -167,6 +169,7 @@ struct options {
   bool simulated = false;
   int reps = 7;
   std::string only;
+  bool only_pool = false;  ///< --only-pool: no peers (the NVTX on/off comparison)
 };
 
 options parse(int argc, char** argv) {
@@ -179,8 +182,11 @@ options parse(int argc, char** argv) {
       o.reps = std::max(1, std::atoi(argv[++i]));
     } else if (a == "--trace" && i + 1 < argc) {
       o.only = argv[++i];
+    } else if (a == "--only-pool") {
+      o.only_pool = true;
     } else {
-      std::fprintf(stderr, "usage: bench_pool [--simulated] [--reps N] [--trace NAME]\n");
+      std::fprintf(stderr,
+                   "usage: bench_pool [--simulated] [--reps N] [--trace NAME] [--only-pool]\n");
       std::exit(2);
     }
   }
@@ -239,7 +245,7 @@ int main(int argc, char** argv) {
   static_cast<void>(cudaGetLastError());
 
   const std::vector<std::string> names =
-      opt.simulated ? std::vector<std::string>{"pool", "arena"}
+      opt.simulated || opt.only_pool ? std::vector<std::string>{"pool", "arena"}
                     : std::vector<std::string>{"pool", "arena", "cudaMalloc", "cudaMallocAsync",
                                                "CUB", "thrust"};
   std::size_t device_free = 0;
@@ -309,7 +315,7 @@ int main(int argc, char** argv) {
         return timed_replay(traces, [&](std::size_t) { return arena_worker{&arena}; });
       });
     }
-    if (!opt.simulated) {
+    if (!opt.simulated && !opt.only_pool) {
       results["cudaMalloc"] = median_ns_per_op(opt.reps, [&] {
         return timed_replay(traces, [&](std::size_t) { return cuda_malloc_worker{}; });
       });
@@ -341,6 +347,8 @@ int main(int argc, char** argv) {
         });
         pool.release();
       }
+    }
+    if (!opt.simulated) {
       for (auto s : streams) {
         require(cudaStreamDestroy(s), "cudaStreamDestroy");
       }

@@ -23,6 +23,7 @@
 #include <cudamem/managed_resource.hpp>
 #include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
+#include <cudamem/nvtx_adaptor.hpp>
 #include <cudamem/out_of_memory.hpp>
 #include <cudamem/pinned_buffer.hpp>
 #include <cudamem/pinned_resource.hpp>

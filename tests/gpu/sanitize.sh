@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Runs every GPU test under compute-sanitizer's memcheck. From the repository root:
+# Runs every GPU test and every example under compute-sanitizer: memcheck (with leak check),
+# initcheck, racecheck and synccheck. From the repository root:
 #   tests/gpu/sanitize.sh BUILD_DIR
+#   SANITIZE_TOOLS="memcheck initcheck" tests/gpu/sanitize.sh BUILD_DIR    # fewer tools
 #
 # Some test cases provoke CUDA errors on purpose, and say so with a Catch2 tag:
 #   [expected-api-error]  a CUDA call fails on purpose (a request larger than the device...)
@@ -15,6 +17,12 @@
 #             both tags                  --report-api-errors no, --leak-check no
 # Whole-program tests (a main() of their own, no Catch2: tests/gpu/exit/) run once, strict,
 # with no arguments.
+# initcheck, racecheck and synccheck run every case of a binary in one pass (API errors are
+# memcheck's to report; leaks are memcheck's). Examples (BUILD_DIR/examples/*) run whole under
+# every tool; the ones that provoke an API error or a leak on purpose (their "raw" half shows
+# the failure cudamem prevents) are listed in `example_expects` below, like the tags.
+# Pools are annotated for the tools (detail/nvtx.hpp), so an access past a pooled block or
+# after its free is a finding here like one in cudaMalloc'd memory.
 #
 # One line per pass per binary: name, pass, PASS/FAIL/SKIP, exit code, the sanitizer's and
 # Catch2's summaries. A failing run's sanitizer report follows its line.
@@ -51,6 +59,8 @@ readonly both_filter='[expected-api-error][expected-leak]'
 failed=0
 skipped=0
 ran=0
+tools=${SANITIZE_TOOLS:-memcheck initcheck racecheck synccheck}
+has_tool() { [[ " $tools " == *" $1 "* ]]; }
 
 # line NAME PASS VERDICT DETAILS: one summary line.
 line() {
@@ -69,19 +79,20 @@ run_pass() {
   done
   shift
   local out rc
-  out=$("$sanitizer" --tool memcheck --error-exitcode 99 "${options[@]}" "$@" 2>&1)
+  out=$("$sanitizer" --error-exitcode 99 "${options[@]}" "$@" 2>&1)
   rc=$?
   ran=$((ran + 1))
   local summary
   summary=$(grep -E '(ERROR|LEAK) SUMMARY|^All tests passed|^test cases:' <<<"$out" |
             sed -e 's/^========= //' | tr '\n' ' ')
-  if [[ $rc -eq 77 ]] && grep -q '^SKIPPED' <<<"$out"; then
+  if { [[ $rc -eq 77 ]] && grep -q '^SKIPPED' <<<"$out"; } ||
+     { [[ $rc -eq 69 ]] && grep -q 'no usable CUDA device' <<<"$out"; }; then
     skipped=1
     line "$name" "$pass" SKIP "rc=$rc $(grep -m1 '^SKIPPED' <<<"$out")"
     return
   fi
   # Whole-program tests also fail on the output ctest rejects (see tests/gpu/exit/).
-  if [[ $rc -eq 0 && $pass == whole-program ]] &&
+  if [[ $rc -eq 0 && $pass == whole-program* ]] &&
      grep -qE 'cudamem:|terminate called|Segmentation fault|Aborted' <<<"$out"; then
     rc=1
   fi
@@ -117,30 +128,38 @@ for exe in "$build"/tests/gpu_*; do
     continue
   fi
 
-  if cases "$exe" "$strict_filter" >/dev/null; then
-    run_pass "$name" "pass 1 (strict)" --leak-check full -- "$exe" "$strict_filter"
+  if ! has_tool memcheck; then
+    :
+  elif cases "$exe" "$strict_filter" >/dev/null; then
+    run_pass "$name" "pass 1 (strict)" --tool memcheck --leak-check full -- "$exe" "$strict_filter"
   else
     line "$name" "pass 1 (strict)" "-" "no untagged test cases"
   fi
 
   tagged=0
-  if cases "$exe" "$error_only_filter" >/dev/null; then
+  if has_tool memcheck && cases "$exe" "$error_only_filter" >/dev/null; then
     tagged=1
-    run_pass "$name" "pass 2 [expected-api-error]" --leak-check full --report-api-errors no \
-      -- "$exe" "$error_only_filter"
+    run_pass "$name" "pass 2 [expected-api-error]" --tool memcheck --leak-check full \
+      --report-api-errors no -- "$exe" "$error_only_filter"
   fi
-  if cases "$exe" "$leak_only_filter" >/dev/null; then
+  if has_tool memcheck && cases "$exe" "$leak_only_filter" >/dev/null; then
     tagged=1
-    run_pass "$name" "pass 2 [expected-leak]" --leak-check no -- "$exe" "$leak_only_filter"
+    run_pass "$name" "pass 2 [expected-leak]" --tool memcheck --leak-check no \
+      -- "$exe" "$leak_only_filter"
   fi
-  if cases "$exe" "$both_filter" >/dev/null; then
+  if has_tool memcheck && cases "$exe" "$both_filter" >/dev/null; then
     tagged=1
-    run_pass "$name" "pass 2 [both tags]" --leak-check no --report-api-errors no \
-      -- "$exe" "$both_filter"
+    run_pass "$name" "pass 2 [both tags]" --tool memcheck --leak-check no \
+      --report-api-errors no -- "$exe" "$both_filter"
   fi
-  if [[ $tagged -eq 0 ]]; then
+  if has_tool memcheck && [[ $tagged -eq 0 ]]; then
     line "$name" "pass 2" "-" "no tagged test cases"
   fi
+  for tool in initcheck racecheck synccheck; do
+    if has_tool "$tool"; then
+      run_pass "$name" "$tool" --tool "$tool" --report-api-errors no -- "$exe"
+    fi
+  done
 done
 
 # --- whole-program tests: their own main(), run as they are -------------------------------------
@@ -149,7 +168,38 @@ done
 # exactly the situation under test. So memcheck checks its accesses and API errors, not leaks.
 for exe in "$build"/tests/gpu/exit/gpu_*; do
   [[ -f $exe && -x $exe ]] || continue
-  run_pass "$(basename "$exe")" whole-program --leak-check no -- "$exe"
+  for tool in $tools; do
+    run_pass "$(basename "$exe")" "whole-program $tool" --tool "$tool" --leak-check no -- "$exe"
+  done
+done
+
+# --- examples: each a whole program; their raw halves fail on purpose -----------------------------
+# example_expects NAME: what the example provokes on purpose (api-error, leak, both or none).
+example_expects() {
+  case $1 in
+    leak_on_exception | leaked_context) echo leak ;;   # the raw way leaks device memory
+    fragmentation | explain_oom) echo api-error ;;      # raw cudaMalloc / a pool run out
+    *) echo none ;;
+  esac
+}
+for exe in "$build"/examples/*; do
+  [[ -f $exe && -x $exe ]] || continue
+  name=example.$(basename "$exe")
+  expects=$(example_expects "$(basename "$exe")")
+  for tool in $tools; do
+    options=(--tool "$tool")
+    if [[ $tool == memcheck ]]; then
+      if [[ $expects == leak || $expects == both ]]; then
+        options+=(--leak-check no)
+      else
+        options+=(--leak-check full)
+      fi
+    fi
+    if [[ $tool != memcheck || $expects == api-error || $expects == both ]]; then
+      options+=(--report-api-errors no)
+    fi
+    run_pass "$name" "$tool ($expects)" "${options[@]}" -- "$exe"
+  done
 done
 
 if [[ $ran -eq 0 && $skipped -eq 0 ]]; then
