@@ -33,10 +33,11 @@
 // - Not thread-safe: use one arena per thread (it is the cheapest object there is).
 // - Stats: reserved = bytes of the chunks held, used = bytes handed out since the last
 //   rewind/release (alignment padding included), peak = the most `used` has been.
-// - compute-sanitizer: over device memory each chunk is an NVTX heap and each allocation a
-//   region of it until a rewind past it or release() (detail/nvtx.hpp), so memcheck reports
-//   an access past an allocation's size, or to memory rewound away, as it does for cudaMalloc.
-//   Off with CUDAMEM_NVTX=0; nothing is called when no tool is attached.
+// - compute-sanitizer: over cudaMalloc'd memory (device_resource) each chunk is an NVTX heap
+//   and each allocation a region of it until a rewind past it or release() (detail/nvtx.hpp),
+//   so memcheck reports an access past an allocation's size, or to memory rewound away, as it
+//   does for cudaMalloc. Over a pool the tool sees each arena chunk as one pool block (it
+//   refuses heaps inside heaps). Off with CUDAMEM_NVTX=0; nothing is called with no tool.
 #pragma once
 
 #include <cudamem/detail/nvtx.hpp>
@@ -73,7 +74,9 @@ class arena_resource final : public memory_resource {
   explicit arena_resource(memory_resource& upstream, arena_options options = {})
       : memory_resource(upstream.kind(), upstream.device()), upstream_(&upstream),
         options_(options), next_chunk_size_(options.initial_chunk_size),
-        annotates_(upstream.kind() == memory_kind::device && upstream.device() >= 0) {
+        annotates_(detail::annotates_sub_allocations(
+            upstream.kind() == memory_kind::device && upstream.device() >= 0,
+            upstream.allows_nvtx_heaps())) {
     if (options_.initial_chunk_size == 0 || options_.maximum_chunk_size == 0 ||
         !(options_.growth_factor >= 1.0)) {
       throw std::invalid_argument(
@@ -103,7 +106,7 @@ class arena_resource final : public memory_resource {
     current_ = m.chunk;
     offset_ = m.offset;
     used_ = m.used;
-    if (annotations_.active()) [[unlikely]] {
+    if (detail::nvtx_compiled && annotates_) [[unlikely]] {
       forget_regions_after(m);
     }
   }
@@ -124,24 +127,25 @@ class arena_resource final : public memory_resource {
   };
 
   void* do_allocate(std::size_t bytes, std::size_t alignment, stream_view /*stream*/) override {
-    void* p = bump(bytes, alignment);
-    if (annotations_.active()) [[unlikely]] {
-      annotate(p, bytes);
+    if (detail::nvtx_compiled && annotates_) [[unlikely]] {
+      return bump_annotated(bytes, alignment);
     }
-    return p;
+    return bump(bytes, alignment);
   }
   void* do_allocate_sync(std::size_t bytes, std::size_t alignment) override {
-    void* p = bump(bytes, alignment);
-    if (annotations_.active()) [[unlikely]] {
-      annotate(p, bytes);
+    if (detail::nvtx_compiled && annotates_) [[unlikely]] {
+      return bump_annotated(bytes, alignment);
     }
-    return p;
+    return bump(bytes, alignment);
   }
 
-  /// Tells the tool that [p, p + bytes) in the current chunk is live, and remembers it.
-  void annotate(void* p, std::size_t bytes) {
-    regions_.push_back({current_, reinterpret_cast<std::uintptr_t>(p)});  // may throw: not yet told
-    annotations_.add_region(chunks_[current_].heap, p, bytes);
+  /// With a tool attached: tells it the allocation is live, and remembers it for rewind.
+  [[gnu::noinline]] void* bump_annotated(std::size_t bytes, std::size_t alignment) {
+    regions_.reserve(regions_.size() + 1);  // before the bump: a bad_alloc here loses nothing
+    void* p = bump(bytes, alignment);
+    regions_.push_back({current_, reinterpret_cast<std::uintptr_t>(p)});
+    detail::memory_annotations::add_region(chunks_[current_].heap, p, bytes);
+    return p;
   }
 
   /// A rewind to `m`: regions allocated after it are free again (newest first).
@@ -152,7 +156,7 @@ class arena_resource final : public memory_resource {
           (r.chunk == m.chunk && r.address < chunks_[r.chunk].base + m.offset)) {
         break;
       }
-      annotations_.remove_region(reinterpret_cast<const void*>(r.address));
+      detail::memory_annotations::remove_region(reinterpret_cast<const void*>(r.address));
       regions_.pop_back();
     }
   }
@@ -191,7 +195,8 @@ class arena_resource final : public memory_resource {
       const std::size_t size = std::max(needed, next_chunk_size_);
       chunks_.reserve(chunks_.size() + 1);  // before asking: a bad_alloc here leaks nothing
       void* p = upstream_->allocate(size, std::max(alignment, default_alignment));
-      void* heap = annotates_ ? annotations_.add_heap(p, size, "cudamem::arena_resource chunk")
+      void* heap = annotates_ ? detail::memory_annotations::add_heap(
+                                    p, size, "cudamem::arena_resource chunk")
                               : nullptr;
       chunks_.push_back({reinterpret_cast<std::uintptr_t>(p), size, heap});
       reserved_ += size;
@@ -212,7 +217,7 @@ class arena_resource final : public memory_resource {
   void release_chunks(const stream_view* s) noexcept {
     regions_.clear();
     for (const chunk& c : chunks_) {
-      annotations_.remove_heap(c.heap);  // and every region in it
+      detail::memory_annotations::remove_heap(c.heap);  // and every region in it
       if (s != nullptr) {
         upstream_->deallocate(reinterpret_cast<void*>(c.base), c.size, default_alignment, *s);
       } else {
@@ -246,8 +251,7 @@ class arena_resource final : public memory_resource {
   std::size_t peak_ = 0;
   std::size_t reserved_ = 0;
   std::size_t next_chunk_size_;
-  bool annotates_;  ///< device memory: chunks and allocations are told to NVTX tools
-  detail::memory_annotations annotations_;
+  bool annotates_;  ///< chunks and allocations are told to an NVTX tool (detail/nvtx.hpp)
   std::vector<region> regions_;  ///< registered allocations, oldest first (only with a tool)
 };
 

@@ -78,6 +78,8 @@ class device_resource final : public memory_resource {
     return same != nullptr && same->device() == device();
   }
   std::string_view do_name() const noexcept override { return "device_resource"; }
+  /// cudaMalloc'd memory: a pool over it may register its chunks as NVTX heaps.
+  bool do_allows_nvtx_heaps() const noexcept override { return true; }
   resource_stats do_stats() const override { return usage_.leaf_stats(); }
 
   detail::usage_counter usage_;

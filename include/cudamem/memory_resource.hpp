@@ -241,6 +241,12 @@ class memory_resource {
   [[nodiscard]] resource_stats stats() const { return do_stats(); }
   /// The resource this one gets its memory from; nullptr for a leaf.
   [[nodiscard]] memory_resource* upstream() const noexcept { return do_upstream(); }
+  /// Whether a sub-allocator over this resource may describe its chunks to compute-sanitizer
+  /// as NVTX heaps (detail/nvtx.hpp). Only plain device allocations qualify: the tool refuses
+  /// a heap inside another heap's region (a pool's block) or inside VMM-mapped memory, and
+  /// counts each refusal as an error. false unless a resource says otherwise; adaptors ask
+  /// their upstream.
+  [[nodiscard]] bool allows_nvtx_heaps() const noexcept { return do_allows_nvtx_heaps(); }
 
  protected:
   memory_resource(memory_kind kind, int device) noexcept : kind_(kind), device_(device) {}
@@ -292,6 +298,7 @@ class memory_resource {
   virtual std::string_view do_name() const noexcept { return "memory_resource"; }
   virtual resource_stats do_stats() const { return {}; }
   virtual memory_resource* do_upstream() const noexcept { return nullptr; }
+  virtual bool do_allows_nvtx_heaps() const noexcept { return false; }
 
   memory_kind kind_;
   int device_;

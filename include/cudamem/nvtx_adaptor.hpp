@@ -88,7 +88,7 @@ class nvtx_adaptor final : public detail::adaptor_base<nvtx_adaptor> {
   /// Pushes the range when a tool is attached; returns whether it did.
   bool begin_range(bool allocate, std::size_t bytes) noexcept {
     std::call_once(setup_, [this] { setup(); });
-    if (domain_ == nullptr) {
+    if (!traced_) {
       return false;
     }
     nvtxEventAttributes_t attr{};
@@ -113,10 +113,11 @@ class nvtx_adaptor final : public detail::adaptor_base<nvtx_adaptor> {
 
   /// On first use (the CUDA runtime is up by then in any program that allocates device memory).
   void setup() noexcept {
-    domain_ = detail::nvtx_domain();
-    if (domain_ == nullptr) {
+    traced_ = detail::nvtx_tool_attached();
+    if (!traced_) {
       return;
     }
+    domain_ = detail::nvtx_domain();
     allocate_label_ = nvtxDomainRegisterStringA(domain_, (name_ + ": allocate").c_str());
     deallocate_label_ = nvtxDomainRegisterStringA(domain_, (name_ + ": deallocate").c_str());
     counter_name_ = name_ + ": bytes in use";
@@ -130,6 +131,7 @@ class nvtx_adaptor final : public detail::adaptor_base<nvtx_adaptor> {
   }
 
   std::once_flag setup_;
+  bool traced_ = false;  ///< a tool is attached (set once, in setup)
   nvtxDomainHandle_t domain_ = nullptr;
   nvtxStringHandle_t allocate_label_ = nullptr;
   nvtxStringHandle_t deallocate_label_ = nullptr;

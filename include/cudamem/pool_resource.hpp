@@ -59,11 +59,12 @@
 //   never gave out, a double free, or a size that does not match the allocation (the block is
 //   smaller, or more than 1/8 larger, than the size rounded to 256) goes to the error handler
 //   (the mismatched one is freed with its real size; the others change nothing).
-// - compute-sanitizer sees into the pool: over device memory each chunk is an NVTX heap and
-//   each block a region of it from allocate to deallocate (detail/nvtx.hpp), so memcheck
-//   reports an access past a block's requested size, into a neighbour, or after its free, as
-//   it does for cudaMalloc'd memory; a block reused at once on the same stream is a new
-//   region. Nothing is called when no tool is attached; CUDAMEM_NVTX=0 compiles it out.
+// - compute-sanitizer sees into the pool: over cudaMalloc'd memory (device_resource, or
+//   adaptors over it) each chunk is an NVTX heap and each block a region of it from allocate
+//   to deallocate (detail/nvtx.hpp), so memcheck reports an access past a block's requested
+//   size or after its free, as it does for cudaMalloc'd memory; a block reused at once on the
+//   same stream is a new region. Not over VMM memory (vm_pool_resource): the tool refuses
+//   heaps there. Nothing is called with no tool attached; CUDAMEM_NVTX=0 compiles it out.
 //
 // Design: a thin class over named parts (each header says what it owns and why)
 // - detail/pool/pool_shard.hpp      a shard: lock, two TLSF heaps (small and large tier), the
@@ -182,18 +183,26 @@ class pool_resource final : public memory_resource, private detail::stream_liste
 
   // --- allocate -----------------------------------------------------------------------------
 
+  // With a tool attached (policy_.annotates) requests take a path of their own that tells it
+  // which blocks are live (see the contract); the test comes first, so that without a tool
+  // the fast paths are exactly what they were (one predictable branch each).
   void* do_allocate(std::size_t bytes, std::size_t alignment, stream_view stream) override {
-    void* p = allocate_block(bytes, alignment, &stream);
-    if (chunks_.annotating()) [[unlikely]] {  // a tool is attached: tell it the block is live
-      chunks_.annotate_block(p, bytes);
+    if (detail::nvtx_compiled && policy_.annotates) [[unlikely]] {
+      return allocate_annotated(bytes, alignment, &stream);
     }
-    return p;
+    return allocate_block(bytes, alignment, &stream);
   }
   void* do_allocate_sync(std::size_t bytes, std::size_t alignment) override {
-    void* p = allocate_block(bytes, alignment, nullptr);
-    if (chunks_.annotating()) [[unlikely]] {
-      chunks_.annotate_block(p, bytes);
+    if (detail::nvtx_compiled && policy_.annotates) [[unlikely]] {
+      return allocate_annotated(bytes, alignment, nullptr);
     }
+    return allocate_block(bytes, alignment, nullptr);
+  }
+
+  [[gnu::noinline]] void* allocate_annotated(std::size_t bytes, std::size_t alignment,
+                                             const stream_view* stream) {
+    void* p = allocate_block(bytes, alignment, stream);
+    chunks_.annotate_block(p, bytes);
     return p;
   }
 
@@ -248,15 +257,41 @@ class pool_resource final : public memory_resource, private detail::stream_liste
 
   void do_deallocate(void* p, std::size_t bytes, std::size_t /*alignment*/,
                      stream_view stream) noexcept override {
+    if (detail::nvtx_compiled && policy_.annotates) [[unlikely]] {
+      return free_annotated(p, bytes, &stream);
+    }
     free_block(p, bytes, &stream);
   }
   void do_deallocate_sync(void* p, std::size_t bytes, std::size_t /*alignment*/) noexcept override {
+    if (detail::nvtx_compiled && policy_.annotates) [[unlikely]] {
+      return free_annotated(p, bytes, nullptr);
+    }
     free_block(p, bytes, nullptr);
   }
 
+  /// A free with a tool attached: the block's region goes once the block is known to be live
+  /// (a bad free unregisters nothing) and before anyone can be handed it again.
+  [[gnu::noinline]] void free_annotated(void* p, std::size_t bytes,
+                                        const stream_view* stream) noexcept {
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
+    if (shard* owner = chunks_.owner_of(address)) {
+      owner->mutex.lock();
+      if (block* b = owner->live.find(address); b != nullptr && !b->cached) {
+        detail::memory_annotations::remove_region(p);
+        finish_free_slow(*owner, b, bytes, stream);  // the general case serves any free
+        return;
+      }
+      owner->mutex.unlock();
+    }
+    free_elsewhere(address, bytes, stream);  // reports the bad pointer or double free
+  }
+
   /// The fast path, inline like allocate_block's: a block of this thread's shard, freed with
-  /// its own size on the stream the shard saw last, into a cache with room.
-  void free_block(void* p, std::size_t bytes, const stream_view* stream) noexcept {
+  /// its own size on the stream the shard saw last, into a cache with room. (always_inline:
+  /// the compiler's own choice varies with what else do_deallocate holds, by ~10 instructions
+  /// per free.)
+  [[gnu::always_inline]] void free_block(void* p, std::size_t bytes,
+                                         const stream_view* stream) noexcept {
     const auto address = reinterpret_cast<std::uintptr_t>(p);
     shard& home = home_shard();
     home.mutex.lock();
@@ -291,10 +326,8 @@ class pool_resource final : public memory_resource, private detail::stream_liste
   /// Frees `b` (found in sh.live, handed out). Called with sh's lock held; releases it. Inline:
   /// the size matches, the cache has room and the stream is the one whose record the shard
   /// looked up last (a handed-out block has no pending frees, so its tag gets one entry).
-  void finish_free(shard& sh, block* b, std::size_t bytes, const stream_view* stream) noexcept {
-    if (chunks_.annotating()) [[unlikely]] {  // before anyone can be handed the block again
-      chunks_.unannotate_block(reinterpret_cast<void*>(b->address));
-    }
+  [[gnu::always_inline]] void finish_free(shard& sh, block* b, std::size_t bytes,
+                                         const stream_view* stream) noexcept {
     const std::size_t size = policy_.round_up(bytes);
     const bool size_matches = size <= b->size && b->size - size <= size / 8;
     const bool tracked = policy_.tracks_streams && stream != nullptr;

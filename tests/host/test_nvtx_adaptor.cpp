@@ -76,3 +76,34 @@ TEST_CASE("nvtx_adaptor counts exactly under racing threads") {
   traced.deallocate(held, 512);
   CHECK(traced.bytes_in_use() == 0);
 }
+
+namespace {
+/// A device-kind leaf that, like device_resource, lets sub-allocators register NVTX heaps.
+class heap_friendly final : public memory_resource {
+ public:
+  heap_friendly() : memory_resource(memory_kind::device, 0) {}
+
+ private:
+  void* do_allocate(std::size_t bytes, std::size_t, stream_view) override {
+    return host_.allocate(bytes);
+  }
+  void do_deallocate(void* p, std::size_t bytes, std::size_t, stream_view) noexcept override {
+    host_.deallocate(p, bytes);
+  }
+  bool do_allows_nvtx_heaps() const noexcept override { return true; }
+  host_resource host_;
+};
+}  // namespace
+
+TEST_CASE("who may register NVTX heaps: leaves that say so, adaptors over them, never a pool") {
+  host_resource host;
+  CHECK_FALSE(host.allows_nvtx_heaps());  // the default
+  heap_friendly leaf;
+  CHECK(leaf.allows_nvtx_heaps());
+  nvtx_adaptor over_leaf{leaf, "a"};
+  limiting_adaptor over_adaptor{over_leaf, 1 << 20};
+  CHECK(over_leaf.allows_nvtx_heaps());     // adaptors ask their upstream
+  CHECK(over_adaptor.allows_nvtx_heaps());
+  nvtx_adaptor over_host{host, "b"};
+  CHECK_FALSE(over_host.allows_nvtx_heaps());
+}

@@ -2,11 +2,11 @@
 // a sub-allocator's memory are live blocks, through the NVTX memory API (header-only: nothing
 // to link; NVTX finds the tool at run time).
 //
-//   memory_annotations notes;                       // one per sub-allocating resource
-//   void* heap = notes.add_heap(chunk, bytes);      // after the chunk came from the upstream
-//   if (notes.active()) notes.add_region(heap, p, n);   // a block handed out
-//   if (notes.active()) notes.remove_region(p);         // ... and freed, before it can be reused
-//   notes.remove_heap(heap);                        // the chunk goes back upstream
+//   const bool annotates = annotates_sub_allocations(device_memory, upstream.allows_nvtx_heaps());
+//   void* heap = memory_annotations::add_heap(chunk, bytes, "my pool chunk");  // new chunk
+//   if (annotates) memory_annotations::add_region(heap, p, n);   // a block handed out
+//   if (annotates) memory_annotations::remove_region(p);         // freed, before any reuse
+//   memory_annotations::remove_heap(heap);                       // the chunk goes back
 //
 // Why. A pool hands out pieces of one large cudaMalloc. To compute-sanitizer that is one
 // allocation: a kernel writing one element past a pooled block into its neighbour, or reading
@@ -17,21 +17,27 @@
 // out-of-bounds accesses past a block's requested size, and use after free. (Initcheck sees a
 // never-written block read as uninitialised either way.)
 //
-// Cost. With no tool attached NVTX's functions return at once, but the pools' hot paths do not
-// even call them: whether a tool is there is decided once, at the first heap (NVTX's domain is
-// created then, after the first upstream allocation has initialised the CUDA runtime, which
-// compute-sanitizer requires), and kept in a flag that the fast paths test: one load and a
-// branch that is never taken. bench_pool measures it (README: "Debugging with
-// compute-sanitizer").
+// Which memory. compute-sanitizer accepts a heap only inside a plain device allocation
+// (cudaMalloc): it refuses one inside another heap's region (an arena over a pool) or inside
+// VMM-mapped memory (vm_pool_resource), and counts each refusal as an error. So a resource
+// annotates only when its upstream says it may (memory_resource::allows_nvtx_heaps: true for
+// device_resource, and for adaptors over it); an arena over a pool is then checked at the
+// pool's granularity (its chunk is one live block).
 //
-// The switch. Define CUDAMEM_NVTX=0 (before any cudamem header, or -DCUDAMEM_NVTX=0) and
-// no NVTX header is included and every function here is an empty inline: the pools compile to
-// what they were without annotations. It is 1 (on) by default.
+// Cost. NVTX's functions return at once with no tool attached, but the hot paths do not even
+// call them: a tool attaches through the environment variable NVTX_INJECTION64_PATH (that is
+// how compute-sanitizer and Nsight do it), which a resource reads once, when it is built, into
+// a constant flag; with no tool the hot path pays one predictable branch on it.
+// bench/nvtx_cost.sh measures it (README: "Debugging with compute-sanitizer").
 //
-// Contract: the functions are thread-safe as NVTX is. `add_heap` returns nullptr when no tool
-// is attached (then `active()` is false for good: a tool cannot attach later). A heap is
-// registered once and removed once; a region is removed only after it was added, with the
-// pointer it was added with.
+// The switch. Define CUDAMEM_NVTX=0 (before any cudamem header, or -DCUDAMEM_NVTX=0) and no
+// NVTX header is included, every function here is an empty inline, and `nvtx_compiled` is
+// false, so the resources' checks compile away. It is 1 (on) by default.
+//
+// Contract: thread-safe as NVTX is. NVTX is first called (the domain created) at the first
+// heap, after the first upstream allocation has initialised the CUDA runtime, which
+// compute-sanitizer requires. A heap is registered once and removed once; a region is removed
+// only after it was added, with the pointer it was added with.
 #pragma once
 
 #ifndef CUDAMEM_NVTX
@@ -43,33 +49,39 @@
 #include <nvtx3/nvToolsExtMem.h>
 #endif
 
-#include <atomic>
+#include <cstdlib>
 #include <cstddef>
 #include <cstdint>
 
 namespace cudamem::detail {
 
+/// Whether NVTX annotations are compiled in (CUDAMEM_NVTX).
+inline constexpr bool nvtx_compiled = CUDAMEM_NVTX != 0;
+
 #if CUDAMEM_NVTX
 
-/// cudamem's NVTX domain, created on first use; nullptr when no tool is attached. Call it only
-/// once the CUDA runtime is initialised (compute-sanitizer's requirement).
+/// Whether an NVTX tool is attached: NVTX loads the one NVTX_INJECTION64_PATH names. Read
+/// once; calls no NVTX function (safe before the CUDA runtime is initialised).
+[[nodiscard]] inline bool nvtx_tool_attached() noexcept {
+  static const bool attached = std::getenv("NVTX_INJECTION64_PATH") != nullptr;
+  return attached;
+}
+
+/// cudamem's NVTX domain, created on first use (nullptr, NVTX's default domain, when the tool
+/// creates none: compute-sanitizer does not). Call it only once the CUDA runtime is
+/// initialised (compute-sanitizer's requirement).
 [[nodiscard]] inline nvtxDomainHandle_t nvtx_domain() noexcept {
   static const nvtxDomainHandle_t domain = nvtxDomainCreateA("cudamem");
   return domain;
 }
 
-class memory_annotations {
- public:
-  /// Whether a tool is attached and heaps are registered: the hot paths' only test.
-  [[nodiscard]] bool active() const noexcept { return active_.load(std::memory_order_relaxed); }
-
+/// The calls a sub-allocator makes; out of line, so the hot paths that call them (behind their
+/// flag) stay small.
+struct memory_annotations {
   /// Registers [base, base + bytes) as a sub-allocator's heap: nothing in it is usable until a
-  /// region is added. Returns the heap's handle, or nullptr with no tool attached.
-  void* add_heap(void* base, std::size_t bytes, const char* what) noexcept {
-    const nvtxDomainHandle_t domain = nvtx_domain();
-    if (domain == nullptr) {
-      return nullptr;
-    }
+  /// region is added. Returns the heap's handle (for virtual addresses, NVTX's contract makes
+  /// it the base address; a tool may also return it).
+  [[gnu::noinline]] static void* add_heap(void* base, std::size_t bytes, const char* what) noexcept {
     nvtxMemVirtualRangeDesc_t range{};
     range.ptr = base;
     range.size = bytes;
@@ -82,32 +94,23 @@ class memory_annotations {
     desc.typeSpecificDesc = &range;
     desc.messageType = NVTX_MESSAGE_TYPE_ASCII;
     desc.message.ascii = what;
-    const nvtxMemHeapHandle_t heap = nvtxMemHeapRegister(domain, &desc);
+    const nvtxMemHeapHandle_t heap = nvtxMemHeapRegister(nvtx_domain(), &desc);
     // (NVTX_MEM_HEAP_HANDLE_NO_TOOL, -1, is spelled out: its macro is a static_cast from an
     // integer to a pointer, which C++ rejects.)
-    if (heap != nullptr && heap != reinterpret_cast<nvtxMemHeapHandle_t>(std::intptr_t{-1})) {
-      active_.store(true, std::memory_order_relaxed);
-      return heap;
-    }
-    return nullptr;
+    const bool returned = heap != nullptr &&
+                          heap != reinterpret_cast<nvtxMemHeapHandle_t>(std::intptr_t{-1});
+    return returned ? static_cast<void*>(heap) : base;
   }
 
   /// Unregisters a heap (and every region still in it). `heap` may be nullptr: nothing.
-  void remove_heap(void* heap) const noexcept {
+  [[gnu::noinline]] static void remove_heap(void* heap) noexcept {
     if (heap != nullptr) {
       nvtxMemHeapUnregister(nvtx_domain(), static_cast<nvtxMemHeapHandle_t>(heap));
     }
   }
 
-  /// Forgets every region of a heap (an arena's rewind to the start of a chunk).
-  void reset_heap(void* heap) const noexcept {
-    if (heap != nullptr) {
-      nvtxMemHeapReset(nvtx_domain(), static_cast<nvtxMemHeapHandle_t>(heap));
-    }
-  }
-
   /// [p, p + bytes), inside `heap`, is a live block.
-  void add_region(void* heap, const void* p, std::size_t bytes) const noexcept {
+  [[gnu::noinline]] static void add_region(void* heap, const void* p, std::size_t bytes) noexcept {
     if (heap == nullptr || bytes == 0) {
       return;
     }
@@ -126,7 +129,7 @@ class memory_annotations {
   }
 
   /// The block at `p` (added with add_region) is free.
-  void remove_region(const void* p) const noexcept {
+  [[gnu::noinline]] static void remove_region(const void* p) noexcept {
     nvtxMemRegionRef_t ref{};
     ref.pointer = p;
     nvtxMemRegionsUnregisterBatch_t batch{};
@@ -138,23 +141,25 @@ class memory_annotations {
     batch.refElements = &ref;
     nvtxMemRegionsUnregister(nvtx_domain(), &batch);
   }
-
- private:
-  std::atomic<bool> active_{false};
 };
 
 #else  // CUDAMEM_NVTX == 0: no NVTX at all
 
-class memory_annotations {
- public:
-  [[nodiscard]] static constexpr bool active() noexcept { return false; }
+[[nodiscard]] constexpr bool nvtx_tool_attached() noexcept { return false; }
+
+struct memory_annotations {
   static void* add_heap(void*, std::size_t, const char*) noexcept { return nullptr; }
   static void remove_heap(void*) noexcept {}
-  static void reset_heap(void*) noexcept {}
   static void add_region(void*, const void*, std::size_t) noexcept {}
   static void remove_region(const void*) noexcept {}
 };
 
 #endif
+
+/// Whether a sub-allocator of `kind` memory on `device` over an upstream that `allows` heaps
+/// annotates its blocks: compiled in, device memory, the upstream allows it, a tool attached.
+[[nodiscard]] inline bool annotates_sub_allocations(bool device_memory, bool allows) noexcept {
+  return nvtx_compiled && device_memory && allows && nvtx_tool_attached();
+}
 
 }  // namespace cudamem::detail

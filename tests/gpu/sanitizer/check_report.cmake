@@ -25,7 +25,9 @@ execute_process(COMMAND ${SANITIZER} ${options} ${CHILD} ${MODE}
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
 message("compute-sanitizer ${options} planted_bugs ${MODE} exited ${rc}:\n${out}")
 
-if(NOT out MATCHES "planted_bugs ${MODE}: done")
+# A planted bug may end the program (memcheck stops a faulting kernel, and the context is lost
+# after it); a correct program must run to its end.
+if(EXPECT STREQUAL "CLEAN" AND NOT out MATCHES "planted_bugs ${MODE}: done")
   message(FATAL_ERROR "planted_bugs ${MODE} did not run to its end")
 endif()
 string(REGEX MATCH "ERROR SUMMARY: ([0-9]+) error" summary "${out}")

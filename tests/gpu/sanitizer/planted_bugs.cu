@@ -4,7 +4,9 @@
 //
 //   planted_bugs MODE        prints "planted_bugs MODE: done" and exits 0 when it ran
 //
-// Modes (RESOURCE is cudamalloc, pool, arena or vm_pool):
+// Modes (RESOURCE is cudamalloc, pool, arena (over device_resource) or vm_pool; vm_pool is not
+// annotated — compute-sanitizer refuses NVTX heaps in VMM-mapped memory — so only its
+// uninitialised read is reported, as for any fresh memory):
 //   oob-RESOURCE      writes one element past block a, whose neighbour b in the same chunk is
 //                     live (memcheck: "Invalid __global__ write")
 //   uaf-RESOURCE      reads block a after it was freed (memcheck: "Invalid __global__ read");
@@ -15,14 +17,18 @@
 //   reuse-pool        a 4096-byte block freed on s and taken at once on s by a 4000-byte
 //                     request (the same block) is a new region: a write at byte 4000 is out
 //                     of bounds (memcheck)
-//   correct           every resource used correctly: nothing to report, nothing leaked
+//   correct           every resource used correctly, and an arena over a pool (whose chunks
+//                     are pool blocks, so it must not annotate): nothing to report or leak
+//   probe-nvtx, probe-vm   what the tool answers (diagnostics, not tests)
 // With no usable device it prints one line and exits 69.
 #include <cudamem/arena_resource.hpp>
+#include <cudamem/detail/nvtx.hpp>
 #include <cudamem/device_resource.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/pool_resource.hpp>
 #include <cudamem/stream.hpp>
 #include <cudamem/vm_pool_resource.hpp>
+#include <cudamem/vm_resource.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -36,7 +42,12 @@
 namespace {
 
 constexpr int exit_no_device = 69;
-constexpr std::size_t n = 1024;               // floats per block: 4 KiB, a multiple of 256
+// Floats per block: 4000 bytes, so a block takes 4096 of the pool (and of cudaMalloc), and the
+// element just past it is in that padding: for cudaMalloc, outside any allocation; for a pool,
+// outside the block's region. (One past a 4096-byte block would be inside its live neighbour,
+// which no tool can tell from a valid access: memcheck has no notion of which allocation a
+// pointer came from.)
+constexpr std::size_t n = 1000;
 constexpr std::size_t bytes = n * sizeof(float);
 
 __global__ void write_at(float* p, std::size_t i, float v) { p[i] = v; }
@@ -66,11 +77,16 @@ struct source {
   std::unique_ptr<cudamem::vm_pool_resource> vm_pool;
 
   explicit source(std::string k) : kind(std::move(k)) {
-    if (kind == "pool" || kind == "arena") {
+    if (kind == "pool" || kind == "arena" || kind == "arena_over_pool") {
       device = std::make_unique<cudamem::device_resource>();
+    }
+    if (kind == "pool" || kind == "arena_over_pool") {
       pool = std::make_unique<cudamem::pool_resource>(*device);
     }
     if (kind == "arena") {
+      arena = std::make_unique<cudamem::arena_resource>(*device);
+    }
+    if (kind == "arena_over_pool") {
       arena = std::make_unique<cudamem::arena_resource>(*pool);
     }
     if (kind == "vm_pool") {
@@ -99,7 +115,7 @@ struct source {
   }
 };
 
-/// a and b side by side: writing a[n] lands in b (for a pool, in the same chunk).
+/// a and b side by side (for a pool, in the same chunk), both live: a[n] is one past a.
 void out_of_bounds(source& src) {
   float* a = src.allocate(bytes);
   float* b = src.allocate(bytes);
@@ -168,7 +184,7 @@ void reused_block() {
 }
 
 void correct() {
-  for (const char* kind : {"cudamalloc", "pool", "arena", "vm_pool"}) {
+  for (const char* kind : {"cudamalloc", "pool", "arena", "arena_over_pool", "vm_pool"}) {
     source src{kind};
     float* a = src.allocate(bytes);
     float* b = src.allocate(bytes);
@@ -224,6 +240,24 @@ int main(int argc, char** argv) try {
     reused_block();
   } else if (mode == "correct") {
     correct();
+  } else if (mode == "probe-nvtx") {  // what the NVTX tool answers (diagnostics, not a test)
+    float* p = nullptr;
+    cudamem::check(cudaMalloc(&p, 1 << 20), "cudaMalloc");
+    void* heap = cudamem::detail::memory_annotations::add_heap(p, 1 << 20, "probe");
+    std::printf("tool attached %d, domain %p, heap %p (base %p)\n",
+                cudamem::detail::nvtx_tool_attached() ? 1 : 0,
+                static_cast<void*>(cudamem::detail::nvtx_domain()), heap, static_cast<void*>(p));
+    cudamem::detail::memory_annotations::remove_heap(heap);
+    cudamem::check(cudaFree(p), "cudaFree");
+  } else if (mode == "probe-vm") {  // does the tool take a heap over VMM memory? (diagnostics)
+    cudamem::vm_resource vm{0};
+    void* p = vm.allocate(std::size_t{64} << 20);
+    std::printf("vm block %p (one 64 MiB handle)\n", p);
+    void* heap = cudamem::detail::memory_annotations::add_heap(p, std::size_t{64} << 20, "probe-vm");
+    cudamem::detail::memory_annotations::add_region(heap, p, 4096);
+    cudamem::detail::memory_annotations::remove_region(p);
+    cudamem::detail::memory_annotations::remove_heap(heap);
+    vm.deallocate(p, std::size_t{64} << 20);
   } else {
     std::fprintf(stderr, "planted_bugs: unknown mode %s\n", mode.c_str());
     return 2;

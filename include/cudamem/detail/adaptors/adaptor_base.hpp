@@ -83,6 +83,7 @@ class adaptor_base : public memory_resource {
     self().adapt_deallocate(p, bytes, alignment, std::nullopt);
   }
   memory_resource* do_upstream() const noexcept final { return upstream_; }
+  bool do_allows_nvtx_heaps() const noexcept final { return upstream_->allows_nvtx_heaps(); }
 
   memory_resource* upstream_;
 };

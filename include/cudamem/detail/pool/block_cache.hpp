@@ -61,7 +61,7 @@ class block_cache {
            ((units >> (msb - steps_log2)) & ((std::size_t{1} << steps_log2) - 1));
   }
 
-  void push(Block* b) noexcept {
+  [[gnu::always_inline]] void push(Block* b) noexcept {
     const std::size_t index = class_index(b->size >> granule_log2_);
     b->cached = true;
     b->next_cached = heads_[index];

@@ -58,21 +58,16 @@ class chunk_set {
 
   [[nodiscard]] memory_resource& upstream() const noexcept { return *upstream_; }
 
-  /// Whether blocks are annotated for a tool (see above): the hot paths' one test.
-  [[nodiscard]] bool annotating() const noexcept { return annotations_.active(); }
-
-  /// Registers the block [p, p + bytes) handed out (annotating() is true).
-  void annotate_block(void* p, std::size_t bytes) const {
+  /// Registers the block [p, p + bytes) handed out with the tool (policy.annotates).
+  [[gnu::noinline]] void annotate_block(void* p, std::size_t bytes) const {
     void* heap = nullptr;
     {
       const std::shared_lock lock(directory_mutex_);
       auto it = directory_.upper_bound(reinterpret_cast<std::uintptr_t>(p));
       heap = it != directory_.begin() ? std::prev(it)->second.heap : nullptr;
     }
-    annotations_.add_region(heap, p, bytes);
+    memory_annotations::add_region(heap, p, bytes);
   }
-  /// The block at `p`, checked live, is being freed (annotating() is true).
-  void unannotate_block(void* p) const noexcept { annotations_.remove_region(p); }
 
   [[nodiscard]] std::size_t count() const {
     const std::shared_lock lock(directory_mutex_);
@@ -126,7 +121,7 @@ class chunk_set {
     }
     reserved_ += size;
     if (policy_->annotates) {  // the upstream allocated: the CUDA runtime is initialised
-      void* heap = annotations_.add_heap(p, size, "cudamem::pool_resource chunk");
+      void* heap = memory_annotations::add_heap(p, size, "cudamem::pool_resource chunk");
       const std::unique_lock lock(directory_mutex_);
       directory_.find(reinterpret_cast<std::uintptr_t>(p))->second.heap = heap;
     }
@@ -232,7 +227,7 @@ class chunk_set {
     }
     const std::lock_guard upstream_lock(upstream_mutex_);
     for (const auto& [base, e] : directory_) {
-      annotations_.remove_heap(e.heap);
+      memory_annotations::remove_heap(e.heap);
       upstream_->deallocate(reinterpret_cast<void*>(base), e.size, pool_policy::granule);
     }
   }
@@ -260,7 +255,7 @@ class chunk_set {
       {
         const std::unique_lock lock(directory_mutex_);
         const auto it = directory_.find(c.base);
-        annotations_.remove_heap(it->second.heap);
+        memory_annotations::remove_heap(it->second.heap);
         directory_.erase(it);
       }
       upstream_->deallocate(reinterpret_cast<void*>(c.base), c.size, pool_policy::granule);
@@ -280,7 +275,6 @@ class chunk_set {
 
   memory_resource* upstream_;
   const pool_policy* policy_;
-  memory_annotations annotations_;
   std::mutex upstream_mutex_;
   std::size_t reserved_ = 0;  ///< held from the upstream (guarded by upstream_mutex_)
   mutable std::shared_mutex directory_mutex_;

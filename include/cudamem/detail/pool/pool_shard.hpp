@@ -31,6 +31,7 @@
 // Every member function is called with `mutex` held, and leaves it held.
 #pragma once
 
+#include <cudamem/detail/nvtx.hpp>
 #include <cudamem/detail/pool/address_map.hpp>
 #include <cudamem/detail/pool/block_cache.hpp>
 #include <cudamem/detail/pool/stream_ledger.hpp>
@@ -81,7 +82,7 @@ struct pool_policy {
   std::size_t cache_limit = 0;  ///< largest cached block (a class size); 0: no cache
   std::size_t cache_bytes = 0;  ///< most bytes one shard caches
   bool tracks_streams = false;  ///< false: host or simulated memory, streams are ignored
-  bool annotates = false;       ///< device memory: chunks and blocks are told to NVTX tools
+  bool annotates = false;       ///< chunks and blocks are told to an NVTX tool (detail/nvtx.hpp)
   int device = -1;              ///< for device-wide synchronisation
 
   /// The policy of a pool with options `o` (a validated pool_options) over `upstream`.
@@ -98,7 +99,9 @@ struct pool_policy {
     p.tracks_streams = upstream.kind() != memory_kind::host &&
                        !(upstream.kind() == memory_kind::device && upstream.device() < 0);
     p.device = upstream.device();
-    p.annotates = upstream.kind() == memory_kind::device && upstream.device() >= 0;
+    p.annotates = annotates_sub_allocations(
+        upstream.kind() == memory_kind::device && upstream.device() >= 0,
+        upstream.allows_nvtx_heaps());
     return p;
   }
 
