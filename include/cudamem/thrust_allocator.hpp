@@ -28,13 +28,18 @@
 //   construction. `n * sizeof(T)` overflowing size_t throws `std::length_error` before the
 //   resource is asked. Out of memory is the resource's `out_of_memory`; a container whose
 //   allocation throws holds nothing.
-// - Stream order: the container's memory is stream-ordered on `s`, as a device_buffer's. The
-//   container's own work — value-initialisation, fills, copies into it, resize — runs on `s`
-//   under `cudamem::exec_policy(mr, s)` (thrust asks the allocator's `system()` for it). Its
-//   destructor frees on `s`: work on other streams that uses the memory must be ordered
-//   before the end of `s`'s work (synchronise, or an event) before the container goes. Reads
-//   through thrust's own iterators and `v[i]` (e.g. `thrust::copy` to the host) run on
-//   thrust's default stream: see exec_policy.hpp on synchronising first.
+// - Stream order: the container's memory is stream-ordered on `s`, as a device_buffer's. Its
+//   destructor frees on `s`: work on other streams that uses the memory must be ordered before
+//   the end of `s`'s work (synchronise, or an event) before the container goes. The
+//   container's own work that thrust dispatches through the allocator — value-initialisation,
+//   fills, copies from the host — runs on `s` under `cudamem::exec_policy(mr, s)` (thrust asks
+//   the allocator's `system()` for it). Work thrust dispatches by the *iterators'* system runs
+//   on thrust's default stream and waits for it: element access (`v[i]`), `thrust::copy` to the
+//   host, and the device-to-device copies of copy-construction, assignment and a resize that
+//   moves the elements (thrust picks the source iterator's system there). That work is ordered
+//   with `s` when `s` is a blocking stream (the default kind of `cudamem::stream`) and the
+//   program uses the legacy default stream (not `--default-stream per-thread`); otherwise
+//   synchronise `s` first.
 // - Equality: two allocators are equal when they use equal resources on the same stream
 //   (memory from one may be freed through the other). Move-assignment and swap of containers
 //   carry the allocator with the memory; copy-assignment keeps the target's allocator.
