@@ -13,7 +13,8 @@
 //   scale<<<dim3(blocks, rows), 256, 0, s.get()>>>(m);
 //   auto t = cudamem::as_mdspan<cuda::std::layout_left>(buf, rows, cols);   // column-major
 //   cuda::std::span<float> v = cudamem::as_span(buf);        // whole buffer, 1-D
-//   auto fixed = cudamem::as_mdspan(buf, cuda::std::extents<std::size_t, cuda::std::dynamic_extent, 4>{rows});
+//   using rows_of_4 = cuda::std::extents<std::size_t, cuda::std::dynamic_extent, 4>;
+//   auto fixed = cudamem::as_mdspan(buf, rows_of_4{rows});   // static extents too
 //
 // Contract
 // - `as_span(x)` views all of a device_buffer or device_span: same data pointer, same size;
@@ -26,8 +27,9 @@
 //   or whose product overflows, throw `std::invalid_argument`, naming both sizes. Fewer is
 //   allowed (a view of a prefix, e.g. of a buffer with spare capacity). Indexing is not
 //   checked (no checks in device code), as with std::mdspan.
-// - The views own nothing: the buffer must outlive them, and stream order is the buffer's
-//   (see device_buffer.hpp) — a view does not make memory ready on another stream.
+// - The views own nothing: the buffer must outlive them (a view of a temporary buffer does
+//   not compile), and stream order is the buffer's (see device_buffer.hpp) — a view does not
+//   make memory ready on another stream.
 // - Dereferencing on the host is for host-accessible memory only (managed, pinned).
 // - `cuda::std::mdspan` in C++20 indexes with `m(i, j)` (CCCL's extension; `m[i, j]` needs
 //   C++23).
@@ -110,7 +112,8 @@ template <class Layout = cuda::std::layout_right, class T, class IndexType, std:
 }
 
 /// A view of `s` as an array of `extents...` (each a std::size_t).
-template <class Layout = cuda::std::layout_right, class T, std::convertible_to<std::size_t>... Sizes>
+template <class Layout = cuda::std::layout_right, class T,
+          std::convertible_to<std::size_t>... Sizes>
   requires(sizeof...(Sizes) > 0)
 [[nodiscard]] cuda::std::mdspan<T, cuda::std::dextents<std::size_t, sizeof...(Sizes)>, Layout>
 as_mdspan(device_span<T> s, Sizes... extents) {

@@ -54,8 +54,9 @@ namespace cudamem {
 
 /// Something CUB-shaped: `call(temp, bytes)` that answers the size when `temp` is null.
 template <class Call>
-concept two_phase_call = std::invocable<Call&, void*, std::size_t&> &&
-                         std::same_as<std::invoke_result_t<Call&, void*, std::size_t&>, cudaError_t>;
+concept two_phase_call =
+    std::invocable<Call&, void*, std::size_t&> &&
+    std::same_as<std::invoke_result_t<Call&, void*, std::size_t&>, cudaError_t>;
 
 namespace detail {
 

@@ -10,7 +10,8 @@
 //   thrust::sort(cudamem::exec_policy(pool, s), keys.begin(), keys.end());    // temporaries
 //   int total = thrust::reduce(cudamem::exec_policy(pool, s), v.begin(), v.end());  // from pool
 //
-//   // The allocator alone, for a policy of thrust's own (see "synchronisation" below):
+//   // The allocator alone, under a policy of thrust's own — here `par`, which also waits
+//   // for the stream after each algorithm. Give `.on()` the allocator's stream.
 //   cudamem::thrust_temporary_allocator temp{pool, s};
 //   thrust::sort(thrust::cuda::par(temp).on(s.get()), keys.begin(), keys.end());
 //
@@ -31,7 +32,8 @@
 //   memory_resource.hpp: the resource gives the bytes to later work on `s` at once and to
 //   other streams only once the kernel is done. A resource that is not stream-ordered in
 //   that sense (one that reuses memory freed on `s` for another stream without waiting) must
-//   not be used here; every cudamem resource is.
+//   not be used here; every cudamem resource is. (Over device_resource each free waits for
+//   `s`, as its contract says: correct, and slow. Use a pool.)
 // - Synchronisation: like `par_nosync`, an algorithm returns as soon as its work is queued,
 //   unless its result is needed on the host (reduce's value, copy_if's end iterator), when
 //   thrust waits for `s` — never for the whole device. Read results on the host only after
@@ -128,7 +130,9 @@ class exec_policy : public detail::thrust_nosync_policy {
         where_(where) {}
 
   /// The same resource, with the algorithms and their temporaries on `stream`.
-  [[nodiscard]] exec_policy on(stream_view stream) const { return exec_policy(*mr_, stream, where_); }
+  [[nodiscard]] exec_policy on(stream_view stream) const {
+    return exec_policy(*mr_, stream, where_);
+  }
 
   [[nodiscard]] memory_resource& resource() const noexcept { return *mr_; }
   [[nodiscard]] stream_view stream() const noexcept { return stream_; }

@@ -120,9 +120,15 @@ TEST_CASE("thrust_allocator: a device_vector's memory and its own work go throug
     std::fill(expected.begin(), expected.begin() + 1000, 1.5f);
     CHECK(to_host(v, s) == expected);
 
+    device_vector<float> copy = v;  // copy-construction: the allocator is copied too
+    CHECK(copy.get_allocator() == alloc);
+    CHECK(to_host(copy, s) == expected);
+
     const std::vector<float> host{1, 2, 3, 4, 5};
     device_vector<float> w(host.begin(), host.end(), alloc);  // a host range copied on s
     CHECK(to_host(w, s) == host);
+    copy = w;  // copy-assignment keeps the target's allocator and reuses its memory
+    CHECK(to_host(copy, s) == host);
     device_vector<float> moved = std::move(w);  // the memory travels with its allocator
     CHECK(moved.get_allocator() == alloc);
     CHECK(to_host(moved, s) == host);
