@@ -26,6 +26,7 @@
 #include <cudamem/simulated_resource.hpp>
 #include <cudamem/stream.hpp>
 
+#include "peers.hpp"
 #include "traces.hpp"
 
 #include <cub/util_allocator.cuh>
@@ -55,13 +56,6 @@ namespace {
 
 using clock_type = std::chrono::steady_clock;
 
-void require(cudaError_t code, const char* what) {
-  if (code != cudaSuccess) {
-    std::fprintf(stderr, "bench_pool: %s: %s\n", what, cudaGetErrorString(code));
-    std::exit(1);
-  }
-}
-
 /// Median ns/op of `reps` timed runs of `run_once` (after one untimed run). `run_once` returns
 /// the number of operations it made and its own elapsed ns.
 template <class Run>
@@ -72,8 +66,7 @@ double median_ns_per_op(int reps, Run&& run_once) {
     const auto [ops, ns] = run_once();
     samples.push_back(ns / static_cast<double>(ops));
   }
-  std::sort(samples.begin(), samples.end());
-  return samples[samples.size() / 2];
+  return median(samples);
 }
 
 /// Replays the traces of `spec` (one per thread) through alloc/release; returns {ops, wall ns}.
@@ -104,55 +97,8 @@ std::pair<std::size_t, double> timed_replay(const std::vector<trace>& traces, Ma
   return {ops, ns};
 }
 
-// --- the allocators, each as a per-thread "worker" with allocate/deallocate/finish ---------------
-
-struct resource_worker {
-  cudamem::memory_resource* mr;
-  cudaStream_t stream;
-  void* allocate(std::size_t n) { return mr->allocate(n, 256, stream); }
-  void deallocate(void* p, std::size_t n) { mr->deallocate(p, n, 256, stream); }
-  void finish() {}
-};
-
-struct arena_worker {
-  cudamem::arena_resource* arena;
-  void* allocate(std::size_t n) { return arena->allocate(n, 256); }
-  void deallocate(void* p, std::size_t n) { arena->deallocate(p, n, 256); }
-  void finish() { arena->rewind({}); }
-};
-
-struct cuda_malloc_worker {
-  void* allocate(std::size_t n) {
-    void* p = nullptr;
-    require(cudaMalloc(&p, n), "cudaMalloc");
-    return p;
-  }
-  void deallocate(void* p, std::size_t) { require(cudaFree(p), "cudaFree"); }
-  void finish() {}
-};
-
-struct malloc_async_worker {
-  cudaStream_t stream;
-  void* allocate(std::size_t n) {
-    void* p = nullptr;
-    require(cudaMallocAsync(&p, n, stream), "cudaMallocAsync");
-    return p;
-  }
-  void deallocate(void* p, std::size_t) { require(cudaFreeAsync(p, stream), "cudaFreeAsync"); }
-  void finish() { require(cudaStreamSynchronize(stream), "cudaStreamSynchronize"); }
-};
-
-struct cub_worker {
-  cub::CachingDeviceAllocator* cub;
-  cudaStream_t stream;
-  void* allocate(std::size_t n) {
-    void* p = nullptr;
-    require(cub->DeviceAllocate(&p, n, stream), "CUB DeviceAllocate");
-    return p;
-  }
-  void deallocate(void* p, std::size_t) { require(cub->DeviceFree(p), "CUB DeviceFree"); }
-  void finish() {}
-};
+// --- the allocators, each as a per-thread "worker" with allocate/deallocate/finish --------------
+// (the peers' workers are in support/peers.hpp, shared with bench_workload)
 
 using thrust_pool = thrust::mr::disjoint_unsynchronized_pool_resource<thrust::device_memory_resource,
                                                                       thrust::mr::new_delete_resource>;
@@ -320,23 +266,17 @@ int main(int argc, char** argv) {
         return timed_replay(traces, [&](std::size_t) { return cuda_malloc_worker{}; });
       });
       {
-        cudaMemPool_t mempool = nullptr;
-        require(cudaDeviceGetDefaultMemPool(&mempool, 0), "cudaDeviceGetDefaultMemPool");
-        std::uint64_t threshold = UINT64_MAX;
-        require(cudaMemPoolSetAttribute(mempool, cudaMemPoolAttrReleaseThreshold, &threshold),
-                "cudaMemPoolSetAttribute");
+        const malloc_async_peer async_pool;  // trims the pool when the row is done
         results["cudaMallocAsync"] = median_ns_per_op(opt.reps, [&] {
           return timed_replay(traces, [&](std::size_t i) { return malloc_async_worker{stream_of(i)}; });
         });
-        require(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-        require(cudaMemPoolTrimTo(mempool, 0), "cudaMemPoolTrimTo");
       }
       {
-        cub::CachingDeviceAllocator cub(8, 3, 22, std::size_t{64} << 30);
+        const auto cub = make_cub_peer();
         results["CUB"] = median_ns_per_op(opt.reps, [&] {
-          return timed_replay(traces, [&](std::size_t i) { return cub_worker{&cub, stream_of(i)}; });
+          return timed_replay(traces, [&](std::size_t i) { return cub_worker{cub.get(), stream_of(i)}; });
         });
-        require(cub.FreeAllCached(), "CUB FreeAllCached");
+        require(cub->FreeAllCached(), "CUB FreeAllCached");
       }
       if (!multi) {
         thrust::device_memory_resource upstream;

@@ -8,3 +8,11 @@ if(NOT TARGET cudamem::cudamem)
 endif()
 target_link_libraries(cudamem::cudamem INTERFACE CUDA::cudart)
 target_compile_features(cudamem::cudamem INTERFACE cxx_std_20)
+# CUDA 13 keeps CCCL (thrust, CUB, libcu++) in <toolkit>/include/cccl, which nvcc searches by
+# itself and a C++ compiler does not; cudamem.hpp includes thrust and CCCL interop headers.
+foreach(_cudamem_dir IN LISTS CUDAToolkit_INCLUDE_DIRS)
+  if(EXISTS "${_cudamem_dir}/cccl/thrust")
+    target_include_directories(cudamem::cudamem SYSTEM INTERFACE
+      "$<$<COMPILE_LANGUAGE:CXX>:${_cudamem_dir}/cccl>")
+  endif()
+endforeach()

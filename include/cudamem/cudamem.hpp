@@ -4,8 +4,11 @@
 
 #include <cudamem/arena_resource.hpp>
 #include <cudamem/async_resource.hpp>
+#include <cudamem/cccl_resource.hpp>  // declares nothing unless CCCL's experimental macro is on
+#include <cudamem/cccl_span.hpp>
 #include <cudamem/context.hpp>
 #include <cudamem/copy.hpp>
+#include <cudamem/cub_temp_storage.hpp>
 #include <cudamem/current_resource.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/device_buffer.hpp>
@@ -14,6 +17,7 @@
 #include <cudamem/device_span.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/event.hpp>
+#include <cudamem/exec_policy.hpp>
 #include <cudamem/failing_adaptor.hpp>
 #include <cudamem/host_resource.hpp>
 #include <cudamem/limit_guard.hpp>
@@ -36,6 +40,7 @@
 #include <cudamem/statistics_adaptor.hpp>
 #include <cudamem/stream.hpp>
 #include <cudamem/sync_guard.hpp>
+#include <cudamem/thrust_allocator.hpp>
 #include <cudamem/trace_export.hpp>
 #include <cudamem/tracking_adaptor.hpp>
 #include <cudamem/version.hpp>
