@@ -128,7 +128,7 @@ class resource_stack {
 
 /// How a per_device_resources is set up.
 struct per_device_options {
-  std::vector<int> devices;  ///< empty: every visible device
+  std::vector<int> devices{};  ///< empty: every visible device
   bool make_current = true;  ///< each device's resource current for the object's lifetime
 };
 
