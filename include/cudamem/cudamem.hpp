@@ -15,7 +15,9 @@
 #include <cudamem/error.hpp>
 #include <cudamem/event.hpp>
 #include <cudamem/failing_adaptor.hpp>
+#include <cudamem/fd_passing.hpp>
 #include <cudamem/host_resource.hpp>
+#include <cudamem/ipc_pool.hpp>
 #include <cudamem/limit_guard.hpp>
 #include <cudamem/limiting_adaptor.hpp>
 #include <cudamem/log_format.hpp>
@@ -24,6 +26,8 @@
 #include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
+#include <cudamem/peer_access.hpp>
+#include <cudamem/per_device_resources.hpp>
 #include <cudamem/pinned_buffer.hpp>
 #include <cudamem/pinned_resource.hpp>
 #include <cudamem/pmr_resource.hpp>
