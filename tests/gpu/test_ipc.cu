@@ -15,13 +15,19 @@
 #include <cudamem/pinned_buffer.hpp>
 #include <cudamem/copy.hpp>
 #include <cudamem/stream.hpp>
+#include <cudamem/vm_ipc.hpp>
+#include <cudamem/vm_resource.hpp>
 
 #include "child_process.hpp"
+
+#include <fcntl.h>
 #include "gpu_test.hpp"
 #include "ipc_protocol.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <string>
+#include <vector>
 #include <thread>
 
 #ifndef CUDAMEM_IPC_CHILD
@@ -76,6 +82,26 @@ void send_pool_and_pointer(const child_process& child, const ipc_pool_resource& 
 }  // the exporter's copy of the pool's fd is closed here: the child has its own
 
 constexpr std::size_t tolerance = 32 * MiB;
+
+vm_resource_options exportable() {
+  vm_resource_options o;
+  o.exportable = true;
+  return o;
+}
+
+/// A block of `count` ints of `vm`, set to `value`, ready (synchronised) for another process.
+void* filled_block(vm_resource& vm, std::size_t count, int value) {
+  void* p = vm.allocate(count * sizeof(int));
+  std::vector<int> host(count, value);
+  check(cudaMemcpy(p, host.data(), count * sizeof(int), cudaMemcpyDefault));
+  return p;
+}
+
+std::size_t count_equal_at(const void* p, std::size_t count, int value) {
+  std::vector<int> host(count);
+  check(cudaMemcpy(host.data(), p, count * sizeof(int), cudaMemcpyDefault));
+  return static_cast<std::size_t>(std::count(host.begin(), host.end(), value));
+}
 
 }  // namespace
 
@@ -196,4 +222,155 @@ TEST_CASE("bad input in the importing process, across processes", "[expected-api
   CHECK((r.passed & check_unknown_pointer) != 0);
   CHECK(r.good_elements == 1);  // the genuine token still imported
   CHECK(child.wait() == 0);
+}
+
+// --- virtual memory (vm_ipc.hpp) ------------------------------------------------------------------
+
+TEST_CASE("export_block and imported_vm_block: bad input is a typed error, before any import") {
+  vm_resource plain{-1};
+  void* q = plain.allocate(64 * MiB);
+  CHECK_THROWS_AS(export_block(plain, q), std::invalid_argument);  // not exportable
+  plain.deallocate(q, 64 * MiB);
+
+  vm_resource vm{-1, exportable()};
+  void* p = filled_block(vm, 96 * MiB / sizeof(int), 1);
+  int on_the_stack = 0;
+  CHECK_THROWS_AS(export_block(vm, &on_the_stack), std::invalid_argument);  // never given
+  CHECK_THROWS_AS(export_block(vm, static_cast<char*>(p) + 2 * MiB), std::invalid_argument);
+  const vm_block_export shared = export_block(vm, p);
+  const vm_block_handles handles = vm.block_handles(p);
+  REQUIRE(shared.fds.size() == handles.handles.size());
+  CHECK(shared.descriptor.handle_count == handles.handles.size());
+  CHECK(shared.descriptor.bytes == 96 * MiB);
+  CHECK(shared.descriptor.offset == handles.offset);
+  CHECK(shared.descriptor.granularity == vm.granularity());
+  CHECK(shared.descriptor.device == detail::uuid_of(vm.device()));
+  for (const unique_fd& fd : shared.fds) {
+    CHECK(fd);
+  }
+  const auto copies = [&] {
+    std::vector<unique_fd> out;
+    for (const unique_fd& fd : shared.fds) {
+      out.emplace_back(::dup(fd.get()));
+    }
+    return out;
+  };
+  vm_block_descriptor d = shared.descriptor;
+  d.version = 7;
+  CHECK_THROWS_AS(imported_vm_block(copies(), d), ipc_error);
+  d = shared.descriptor;
+  d.handle_count += 1;
+  CHECK_THROWS_AS(imported_vm_block(copies(), d), ipc_error);  // more handles than fds
+  d = shared.descriptor;
+  d.offset = 1ull << 40;
+  CHECK_THROWS_AS(imported_vm_block(copies(), d), ipc_error);  // does not fit its handles
+  d = shared.descriptor;
+  d.handle_bytes[0] += 1;
+  CHECK_THROWS_AS(imported_vm_block(copies(), d), ipc_error);  // not a granule multiple
+  d = shared.descriptor;
+  d.device[3] ^= 0x33;
+  CHECK_THROWS_AS(imported_vm_block(copies(), d), ipc_error);  // a device not visible here
+  std::vector<unique_fd> with_closed = copies();
+  int closed = 900;
+  while (::fcntl(closed, F_GETFD) != -1) {
+    ++closed;  // a number that is not open
+  }
+  with_closed.back().reset(closed);
+  CHECK_THROWS_AS(imported_vm_block(std::move(with_closed), shared.descriptor),
+                  std::invalid_argument);
+  vm.deallocate(p, 96 * MiB);
+  CHECK_THROWS_AS(export_block(vm, p), std::invalid_argument);  // freed
+}
+
+TEST_CASE("a vm block shared with another process: both see the other's writes") {
+  const int device = current_device();
+  const std::size_t baseline = free_memory(device);
+  constexpr std::size_t count = 64 * MiB / sizeof(int);
+  {
+    vm_resource vm{-1, exportable()};
+    void* p = filled_block(vm, count, 7);
+    child_process child{CUDAMEM_IPC_CHILD, {"vm-read", "7"}};
+    {
+      const vm_block_export shared = export_block(vm, p);
+      send_fds(child.socket(), shared.fd_numbers(), as_bytes_of(shared.descriptor));
+    }  // our copies of the fds closed: the child has its own
+    const child_report r = read_report(child);
+    CHECK(r.step == step_imported);
+    CHECK(r.good_elements == count);
+    CHECK(r.device == static_cast<std::uint32_t>(device));
+    CHECK(child.wait() == 0);
+    CHECK(count_equal_at(p, count, 8) == count);
+    vm.deallocate(p, count * sizeof(int));
+  }  // the vm_resource gives every handle back
+  const std::size_t after = wait_for_free_memory(device, baseline, tolerance);
+  INFO("free before " << baseline << ", after " << after);
+  CHECK(after + tolerance >= baseline);
+}
+
+TEST_CASE("the vm importer killed mid-use: the exporter frees and the memory returns") {
+  const int device = current_device();
+  const std::size_t baseline = free_memory(device);
+  constexpr std::size_t count = 256 * MiB / sizeof(int);
+  {
+    vm_resource vm{-1, exportable()};
+    void* p = filled_block(vm, count, 1);
+    child_process child{CUDAMEM_IPC_CHILD, {"vm-hold"}};
+    {
+      const vm_block_export shared = export_block(vm, p);
+      send_fds(child.socket(), shared.fd_numbers(), as_bytes_of(shared.descriptor));
+    }
+    REQUIRE(read_report(child).step == step_busy);
+    CHECK(free_memory(device) + count * sizeof(int) <= baseline + tolerance);
+    CHECK(child.kill() == -SIGKILL);
+    check(cudaMemset(p, 0, count * sizeof(int)));  // ours alone again
+    CHECK(count_equal_at(p, count, 0) == count);
+    vm.deallocate(p, count * sizeof(int));
+    CHECK(vm.release() >= count * sizeof(int));
+  }
+  const std::size_t after = wait_for_free_memory(device, baseline, tolerance);
+  INFO("free before " << baseline << ", after " << after << " (the child's context included)");
+  CHECK(after + tolerance >= baseline);
+}
+
+TEST_CASE("the vm exporter dies first: the importer's mapping keeps the memory, then frees it") {
+  const int device = current_device();
+  const std::size_t baseline = free_memory(device);
+  child_process child{CUDAMEM_IPC_CHILD, {"vm-export", "9"}};
+  received_fds shared = receive_fds(child.socket(), timeout_ms);
+  const auto descriptor = shared.payload_as<vm_block_descriptor>();
+  const child_report r = read_report(child);
+  REQUIRE(r.step == step_exported);
+  {
+    imported_vm_block block{std::move(shared.fds), descriptor};
+    const std::size_t count = block.bytes() / sizeof(int);
+    CHECK(count == r.good_elements);
+    CHECK(count_equal_at(block.get(), count, 9) == count);
+    CHECK(child.kill() == -SIGKILL);  // the exporter is gone; its pages are still mapped here
+    CHECK(count_equal_at(block.get(), count, 9) == count);
+    check(cudaMemset(block.get(), 0, block.bytes()));
+    CHECK(count_equal_at(block.get(), count, 0) == count);
+    CHECK(free_memory(device) + block.bytes() <= baseline + tolerance);  // held by us alone
+  }  // unmapped and released: the last reference
+  const std::size_t after = wait_for_free_memory(device, baseline, tolerance);
+  INFO("free before " << baseline << ", after " << after);
+  CHECK(after + tolerance >= baseline);
+}
+
+TEST_CASE("bad vm input in the importing process, across processes") {
+  constexpr std::size_t count = 64 * MiB / sizeof(int);
+  vm_resource vm{-1, exportable()};
+  void* p = filled_block(vm, count, 4);
+  child_process child{CUDAMEM_IPC_CHILD, {"vm-bad", "4"}};
+  {
+    const vm_block_export shared = export_block(vm, p);
+    send_fds(child.socket(), shared.fd_numbers(), as_bytes_of(shared.descriptor));
+  }
+  const child_report r = read_report(child);
+  CHECK(r.step == step_checked);
+  CHECK((r.passed & check_closed_fd) != 0);
+  CHECK((r.passed & check_other_device) != 0);
+  CHECK((r.passed & check_mismatch) != 0);
+  CHECK(r.good_elements == 1);  // the genuine descriptor still maps, with the right data
+  CHECK(child.wait() == 0);
+  vm.deallocate(p, count * sizeof(int));
 }

@@ -11,9 +11,14 @@
 #include <cudamem/per_device_resources.hpp>
 #include <cudamem/pinned_buffer.hpp>
 #include <cudamem/stream.hpp>
+#include <cudamem/fd_passing.hpp>
+#include <cudamem/vm_ipc.hpp>
 #include <cudamem/vm_pool_resource.hpp>
+#include <cudamem/vm_resource.hpp>
 
+#include "child_process.hpp"
 #include "gpu_test.hpp"
+#include "ipc_protocol.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -447,4 +452,22 @@ TEST_CASE("per_device_resources::vm_pools with every device as a peer of the oth
   copy(h, on_0, s1);
   s1.synchronize();
   CHECK(count_equal(h, 2) == n);
+}
+
+TEST_CASE("a vm handle from another device than its descriptor says: ipc_error in the importer") {
+  // Memory of device 1, described as device 0's: the importer (another process) finds out from
+  // the imported handle itself (cuMemGetAllocationPropertiesFromHandle) and refuses it.
+  vm_resource_options options;
+  options.exportable = true;
+  vm_resource on_1{1, options};
+  void* p = on_1.allocate(64 * MiB);
+  vm_block_export shared = export_block(on_1, p);
+  shared.descriptor.device = detail::uuid_of(0);
+  cudamem_test::child_process child{CUDAMEM_IPC_CHILD, {"vm-wrong-device"}};
+  send_fds(child.socket(), shared.fd_numbers(), as_bytes_of(shared.descriptor));
+  const auto r = receive_fds(child.socket(), 60'000).payload_as<cudamem_test::child_report>();
+  CHECK(r.step == cudamem_test::step_checked);
+  CHECK((r.passed & cudamem_test::check_other_device) != 0);
+  CHECK(child.wait() == 0);
+  on_1.deallocate(p, 64 * MiB);
 }

@@ -7,14 +7,17 @@
 //                               "busy", then wait to be killed
 //   ipc_child pool-bad          feed the importer bad input, report which checks behaved
 //
-// (and the same three for vm memory: vm-read, vm-hold, vm-bad; plus vm-export VALUE, which
-// exports memory of its own to the parent and waits to be killed). Exit 0 when the role ran to
+// (and the same three for vm memory: vm-read, vm-hold, vm-bad; vm-export VALUE, which exports
+// memory of its own to the parent and waits to be killed; and vm-wrong-device, for
+// test_two_gpus: a descriptor naming another device than its handles'). Exit 0 when the role ran to
 // its end; anything else prints one line to stderr and exits non-zero.
 #include <cudamem/device.hpp>
 #include <cudamem/device_span.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/fd_passing.hpp>
 #include <cudamem/ipc_pool.hpp>
+#include <cudamem/vm_ipc.hpp>
+#include <cudamem/vm_resource.hpp>
 
 #include "ipc_protocol.hpp"
 
@@ -160,6 +163,100 @@ int pool_role(const std::string& role, int value) {
   return 0;  // p, then pool: unmapped, import closed
 }
 
+// --- virtual memory -----------------------------------------------------------------------------
+
+/// A descriptor number that is open, for the checks that must get past "is it open".
+unique_fd dup_of(const unique_fd& fd) { return unique_fd{::fcntl(fd.get(), F_DUPFD_CLOEXEC, 0)}; }
+
+int vm_role(const std::string& role, int value) {
+  if (role == "vm-export") {
+    // The exporter this time: a block of our own, filled with VALUE, sent to the parent; then
+    // we wait to be killed (the exporter dying first).
+    vm_resource_options options;
+    options.exportable = true;
+    vm_resource vm{-1, options};
+    constexpr std::size_t bytes = std::size_t{256} << 20;
+    void* p = vm.allocate(bytes);
+    const device_span<int> x{static_cast<int*>(p), bytes / sizeof(int)};
+    std::vector<int> host(x.size(), value);
+    check(cudaMemcpy(p, host.data(), bytes, cudaMemcpyDefault), "filling the exported block");
+    const vm_block_export shared = export_block(vm, p);
+    send_fds(socket_fd, shared.fd_numbers(), as_bytes_of(shared.descriptor));
+    report({step_exported, x.size(), 0, static_cast<std::uint32_t>(vm.device())});
+    for (;;) {
+      ::pause();  // the parent kills us while it still maps the block
+    }
+  }
+  received_fds shared = receive_fds(socket_fd, timeout_ms);
+  const auto descriptor = shared.payload_as<vm_block_descriptor>();
+  if (role == "vm-wrong-device") {
+    // The descriptor names another device than the one the handles live on (test_two_gpus).
+    std::uint32_t passed = 0;
+    try {
+      imported_vm_block bad{std::move(shared.fds), descriptor};
+    } catch (const ipc_error& e) {
+      passed |= std::string(e.what()).find("another device") != std::string::npos ? check_other_device : 0u;
+    }
+    report({step_checked, 0, passed, 0});
+    return 0;
+  }
+  if (role == "vm-bad") {
+    std::uint32_t passed = 0;
+    try {
+      vm_block_descriptor one = descriptor;
+      one.handle_count = 1;
+      std::vector<unique_fd> closed;
+      closed.emplace_back(closed_fd());
+      imported_vm_block bad{std::move(closed), one};
+    } catch (const ipc_error&) {
+      // the wrong error
+    } catch (const std::invalid_argument&) {
+      passed |= check_closed_fd;
+    }
+    try {
+      vm_block_descriptor elsewhere = descriptor;
+      elsewhere.device[0] ^= 0xff;
+      std::vector<unique_fd> copies;
+      for (const unique_fd& fd : shared.fds) {
+        copies.push_back(dup_of(fd));
+      }
+      imported_vm_block bad{std::move(copies), elsewhere};
+    } catch (const ipc_error&) {
+      passed |= check_other_device;
+    }
+    try {
+      vm_block_descriptor more = descriptor;
+      more.handle_count += 1;  // one handle more than came with it
+      more.handle_bytes[more.handle_count - 1] = more.handle_bytes[0];
+      std::vector<unique_fd> copies;
+      for (const unique_fd& fd : shared.fds) {
+        copies.push_back(dup_of(fd));
+      }
+      imported_vm_block bad{std::move(copies), more};
+    } catch (const ipc_error&) {
+      passed |= check_mismatch;
+    }
+    const imported_vm_block good{std::move(shared.fds), descriptor};  // the real one maps
+    report({step_checked, count_equal(good.span<int>(), value) == good.span<int>().size() ? 1u : 0u,
+            passed, static_cast<std::uint32_t>(good.device())});
+    return 0;
+  }
+  imported_vm_block block{std::move(shared.fds), descriptor};
+  const device_span<int> x = block.span<int>();
+  if (role == "vm-hold") {
+    hold(x, block.device());
+  }
+  const std::uint64_t good = count_equal(x, value);
+  {
+    const device_guard on{block.device()};
+    add_one<<<static_cast<unsigned>((x.size() + 255) / 256), 256>>>(x);
+    check(cudaGetLastError(), "launching add_one");
+    check(cudaDeviceSynchronize(), "add_one");
+  }
+  report({step_imported, good, 0, static_cast<std::uint32_t>(block.device())});
+  return 0;  // block: unmapped, handles released
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -172,6 +269,9 @@ int main(int argc, char** argv) {
     }
     if (role.rfind("pool-", 0) == 0) {
       return pool_role(role, value);
+    }
+    if (role.rfind("vm-", 0) == 0) {
+      return vm_role(role, value);
     }
     std::fprintf(stderr, "ipc_child: unknown role '%s'\n", role.c_str());
     return 2;
