@@ -14,6 +14,9 @@
 //   cudamem::copy(dev, std::vector<float>(n + 1), s);   // throws std::invalid_argument:
 //                                                       // "destination has n elements, ..."
 //
+//   // Between GPUs: on_1 lives on device 1, written by a kernel on s1 (a stream of device 1).
+//   cudamem::copy(on_0, on_1, s0, s1);              // on s0, after the work already on s1
+//
 // Contract
 // - Operands: device side — `device_buffer<T>`, `device_span<T>`; host side —
 //   `pinned_buffer<T>`, `gsl::span<T>`, `std::span<T>`, `std::vector<T>`, `std::array<T, N>`.
@@ -24,6 +27,18 @@
 // - The copy is one cudaMemcpyAsync on `stream` with cudaMemcpyDefault: unified addressing
 //   lets CUDA see where each pointer lives, which also covers managed memory and a
 //   device_buffer over pinned memory; the types decide what is accepted.
+// - Between devices: device-side operands may live on different GPUs (device_buffers of two
+//   devices' resources, vm memory mapped for a peer). It is the same single cudaMemcpyAsync:
+//   unified addressing makes it a peer copy, direct over NVLink or PCIe when the devices have a
+//   peer path, staged through the host by the driver when they have none; no peer access
+//   (peer_access.hpp) is needed for copies. `stream` may be a stream of either device, or of
+//   none, whatever device is current; a default-stream handle is the *current* device's.
+//   The copy is in stream order on `stream` only: work on other streams (the other device's
+//   producer of `src`, a kernel still reading `dst`) is not waited for. Pass that stream as
+//   `after` (the four-argument form): `stream` then first waits for the work submitted to
+//   `after` so far, without blocking the host (an event recorded on `after`'s device, waited
+//   for by `stream`; about the cost of one cudaEventCreate/Record/Destroy). Without `after`
+//   the copy costs what cudaMemcpyAsync / cudaMemcpyPeerAsync cost (bench/peer_copy.cu).
 // - Timing follows CUDA: with pinned or device memory on both ends the call returns at once
 //   and the copy runs in stream order; a pageable source is staged before the call returns
 //   (you may reuse it at once); a pageable destination is written before the call returns.
@@ -126,6 +141,25 @@ void copy(Dst&& dst, Src&& src, stream_view stream) {
                                 std::to_string(from.size));
   }
   detail::copy_bytes(to.data, from.data, to.size * sizeof(to_element), stream);
+}
+
+/// Copies `src` into `dst` on `stream` once the work submitted to `after` so far is done (for
+/// copies between devices: `after` is the other device's stream); see the contract above.
+template <class Dst, class Src>
+  requires detail::copyable_operand<std::remove_reference_t<Dst>> &&
+           detail::copyable_operand<std::remove_reference_t<Src>>
+void copy(Dst&& dst, Src&& src, stream_view stream, stream_view after) {
+  {
+    // Sizes first: a mismatch throws before anything is enqueued, as in the 3-argument form.
+    const auto to = detail::as_operand(dst);
+    const auto from = detail::as_operand(src);
+    if (to.size != from.size || to.size == 0) {
+      copy(std::forward<Dst>(dst), std::forward<Src>(src), stream);  // throws, or a no-op
+      return;
+    }
+  }
+  detail::order_after(stream, after);
+  copy(std::forward<Dst>(dst), std::forward<Src>(src), stream);
 }
 
 /// Sets every element of `dst` to `value`; see the contract above.

@@ -19,7 +19,9 @@
 #include <cudamem/event.hpp>
 #include <cudamem/exec_policy.hpp>
 #include <cudamem/failing_adaptor.hpp>
+#include <cudamem/fd_passing.hpp>
 #include <cudamem/host_resource.hpp>
+#include <cudamem/ipc_pool.hpp>
 #include <cudamem/limit_guard.hpp>
 #include <cudamem/limiting_adaptor.hpp>
 #include <cudamem/log_format.hpp>
@@ -29,6 +31,8 @@
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/nvtx_adaptor.hpp>
 #include <cudamem/out_of_memory.hpp>
+#include <cudamem/peer_access.hpp>
+#include <cudamem/per_device_resources.hpp>
 #include <cudamem/pinned_buffer.hpp>
 #include <cudamem/pinned_resource.hpp>
 #include <cudamem/pmr_resource.hpp>
@@ -44,5 +48,6 @@
 #include <cudamem/trace_export.hpp>
 #include <cudamem/tracking_adaptor.hpp>
 #include <cudamem/version.hpp>
+#include <cudamem/vm_ipc.hpp>
 #include <cudamem/vm_pool_resource.hpp>
 #include <cudamem/vm_resource.hpp>

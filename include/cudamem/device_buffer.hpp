@@ -20,8 +20,10 @@
 //   destructors on the device). Checked at compile time.
 // - The buffer remembers its resource (default: `get_current_resource()` of the current
 //   device), its device (the resource's) and its stream, and frees on them in a noexcept
-//   destructor — whatever device or resource is current by then. The resource must outlive
-//   the buffer.
+//   destructor — whatever device or resource is current by then, on whatever thread. The
+//   resource must outlive the buffer. A default stream (`stream_view{}`, legacy, per-thread)
+//   is taken as the buffer's device's default stream: allocation, initialisation and free
+//   run with that device current, and the caller's device is restored.
 // - The resource's kind must be device-accessible (device, managed or pinned memory);
 //   host memory is refused with `std::invalid_argument` naming the kind.
 // - `n * sizeof(T)` overflowing size_t throws `std::length_error` before anything is asked

@@ -17,8 +17,12 @@
 // Contract
 // - `event` owns one cudaEvent_t created on `options.device` (the current device by default);
 //   move-only, with the same moved-from and move-assignment rules as `stream`; the destructor
-//   is noexcept and reports failures to the error handler.
-// - `record(s)` marks the point in `s` reached by the work submitted so far. `is_complete()`
+//   is noexcept, destroys the event on its own device whatever device is current, and reports
+//   failures to the error handler.
+// - `record(s)` marks the point in `s` reached by the work submitted so far. `s` must be a
+//   stream of the event's device (CUDA refuses an event and a stream of different devices);
+//   a default stream (`stream_view{}`, legacy, per-thread) is taken as the event's device's,
+//   whatever device is current. `is_complete()`
 //   says whether that point has been reached (an event never recorded counts as complete, as
 //   in CUDA); `synchronize()` blocks the host until it is; `make_wait(s)` makes later work on
 //   `s` wait for it without blocking the host.
@@ -26,6 +30,7 @@
 //   error is thrown as `cuda_error`.
 #pragma once
 
+#include <cudamem/detail/cuda/quiet_device_scope.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/stream.hpp>
@@ -80,7 +85,15 @@ class event {
   [[nodiscard]] explicit operator bool() const noexcept { return handle_ != nullptr; }
 
   /// Marks the point `s` has reached (all work submitted to it so far).
-  void record(stream_view s) { check(cudaEventRecord(handle_, s.get()), "cudaEventRecord"); }
+  void record(stream_view s) {
+    if (s.is_default()) {
+      // A default-stream handle names the *current* device's stream: make it the event's.
+      const device_guard on{device_};
+      check(cudaEventRecord(handle_, s.get()), "cudaEventRecord");
+      return;
+    }
+    check(cudaEventRecord(handle_, s.get()), "cudaEventRecord");
+  }
 
   /// Makes work submitted to `s` after this call wait for the recorded point. Host returns at once.
   void make_wait(stream_view s) const {
@@ -104,6 +117,7 @@ class event {
  private:
   void destroy() noexcept {
     if (handle_ != nullptr) {
+      const detail::quiet_device_scope on{device_, "cudamem::event: switching to its device"};
       report_error(cudaEventDestroy(handle_), "cudamem::event: cudaEventDestroy");
       handle_ = nullptr;
       device_ = -1;

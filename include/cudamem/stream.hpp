@@ -12,7 +12,8 @@
 //
 // Contract
 // - `stream` owns one cudaStream_t, created on `options.device` (the current device by
-//   default) and destroyed on it, whatever device is current at destruction. It is move-only.
+//   default) and destroyed on it, whatever device is current at destruction (the destructor
+//   makes the stream's device current for the call and restores the caller's). It is move-only.
 //   A moved-from stream holds no handle: it may be destroyed or assigned to, nothing else.
 //   Move-assignment destroys the stream it held before taking the other one; self-move is a
 //   no-op. The destructor is noexcept: a failure goes to the error handler.
@@ -26,6 +27,7 @@
 //   error (a failed kernel), never confusing "busy" with "broken".
 #pragma once
 
+#include <cudamem/detail/cuda/quiet_device_scope.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
 
@@ -197,6 +199,9 @@ class stream {
     if (handle_ == nullptr) {
       return;
     }
+    // On the stream's own device: the thread that destroys it may have made another device
+    // current (a worker driving several GPUs), and the listeners below record events on it.
+    const detail::quiet_device_scope on{device_, "cudamem::stream: switching to its device"};
     // Resources that remember this stream (a pool that owes an event on it) settle up first,
     // while the handle is still valid.
     detail::stream_listener_registry::instance().notify(handle_);

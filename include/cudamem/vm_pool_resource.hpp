@@ -93,7 +93,8 @@ class vm_pool_resource final : public memory_resource {
   explicit vm_pool_resource(int device = -1, vm_pool_options options = {},
                             std::source_location where = std::source_location::current())
       : vm_pool_resource(std::make_unique<detail::driver_vm_mapping>(
-                             device >= 0 ? device : current_device(), options.peers, where),
+                             device >= 0 ? device : current_device(), options.peers,
+                             options.exportable, where),
                          options) {}
 
   /// A pool over any mapping layer (tests: detail::simulated_vm_mapping).

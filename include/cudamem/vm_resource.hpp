@@ -12,6 +12,8 @@
 //   vm.release();                                     // give wholly free memory back
 //
 //   cudamem::vm_resource shared{0, {.peers = {1}}};   // device 1 may read and write it too
+//   cudamem::vm_resource ipc{0, {.exportable = true}}; // blocks other processes may map
+//                                                     // (vm_ipc.hpp: export_block)
 //
 // Why. Memory behind fixed address ranges cannot turn two free 64 MiB holes into one 128 MiB
 // block ("out of memory while memory is free"). The driver's cudaMalloc can, by mapping physical
@@ -63,6 +65,12 @@
 //   request larger than the device or than `physical_limit` is refused before anything is
 //   tried. Bad frees (a pointer not from here, a double free, a size that differs from the
 //   allocation's) go to the error handler; a size mismatch still frees the block.
+// - Export (`exportable`): physical memory is created shareable as POSIX file descriptors, and
+//   `block_handles(p)` lists the handles under the block at `p` (what vm_ipc.hpp's export_block
+//   turns into descriptors for another process). A block's handles stay where they are while
+//   it is allocated (only wholly free handles are recycled). `block_handles` throws
+//   `std::invalid_argument` for a resource not made exportable and for a pointer that is not
+//   the start of a block it gave out and has not freed.
 // - Thread-safe: one mutex (a pool above calls it for chunks only).
 #pragma once
 
@@ -117,6 +125,20 @@ struct vm_resource_options {
   std::optional<std::size_t> physical_limit;
   /// Other devices that get read-write access to its memory.
   std::vector<int> peers;
+  /// Create physical memory shareable as POSIX file descriptors, so that blocks can be
+  /// exported to other processes (vm_ipc.hpp). A device that cannot throws `cuda_error`
+  /// (cudaErrorNotSupported) from the constructor.
+  bool exportable = false;
+};
+
+/// The physical handles under one block, in address order: they tile
+/// [address - offset, address - offset + sum of their bytes). See vm_resource::block_handles.
+struct vm_block_handles {
+  std::uintptr_t address = 0;  ///< the block's start
+  std::size_t bytes = 0;       ///< the block's size as placed (granule multiple)
+  std::size_t requested = 0;   ///< what its caller asked for
+  std::size_t offset = 0;      ///< from the first handle's start to the block's start
+  std::vector<std::pair<detail::vm_handle, std::size_t>> handles;  ///< handle, its bytes
 };
 
 /// What a vm_resource holds, in the terms of virtual memory.
@@ -210,6 +232,32 @@ class vm_resource final : public memory_resource {
 
   [[nodiscard]] std::size_t granularity() const noexcept { return config_.granule; }
   [[nodiscard]] const vm_resource_options& options() const noexcept { return options_; }
+
+  /// The handles under the live block starting at `p`, for export (vm_ipc.hpp); see the
+  /// contract. Throws std::invalid_argument unless the resource is exportable and `p` starts
+  /// a block it gave out and has not freed.
+  [[nodiscard]] vm_block_handles block_handles(const void* p) const {
+    const std::lock_guard lock(mutex_);
+    if (!options_.exportable) {
+      throw std::invalid_argument(
+          "cudamem::vm_resource::block_handles: the resource was not made exportable "
+          "(vm_resource_options::exportable)");
+    }
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
+    const auto live = live_.find(address);
+    if (live == live_.end()) {
+      throw std::invalid_argument(
+          "cudamem::vm_resource::block_handles: not the start of a live block of this resource "
+          "(a pointer it never gave, or one already freed)");
+    }
+    vm_block_handles out;
+    out.address = address;
+    out.bytes = live->second.bytes;
+    out.requested = live->second.requested;
+    out.offset = handles_.handles_under(address, out.bytes, out.handles);
+    return out;
+  }
+
   /// The mapping layer (tests inspect the simulated one).
   [[nodiscard]] detail::vm_mapping_layer& mapping_layer() const noexcept { return *layer_; }
 
@@ -222,7 +270,8 @@ class vm_resource final : public memory_resource {
   static std::unique_ptr<detail::vm_mapping_layer> make_driver_layer(
       int device, const vm_resource_options& options, const std::source_location& where) {
     const int id = device >= 0 ? device : current_device();
-    return std::make_unique<detail::driver_vm_mapping>(id, options.peers, where);
+    return std::make_unique<detail::driver_vm_mapping>(id, options.peers, options.exportable,
+                                                       where);
   }
 
   // --- the memory_resource interface ------------------------------------------------------

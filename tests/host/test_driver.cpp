@@ -22,6 +22,9 @@ TEST_CASE("driver(): no_device_error on a machine without a driver, a full table
     const detail::driver_api& cu = detail::driver();
     CHECK(cu.ctx_create != nullptr);
     CHECK(cu.mem_get_allocation_granularity != nullptr);
+    CHECK(cu.mem_export_to_shareable_handle != nullptr);
+    CHECK(cu.mem_import_from_shareable_handle != nullptr);
+    CHECK(cu.mem_get_allocation_properties_from_handle != nullptr);
     CHECK(&detail::driver() == &cu);  // loaded once
     int version = 0;
     REQUIRE(cu.driver_get_version(&version) == CUDA_SUCCESS);

@@ -12,6 +12,11 @@
 
 #include <cstddef>
 
+/// At namespace scope in a GPU test: the binary needs `n` devices; with fewer, gpu_main prints
+/// "SKIPPED: needs n GPUs (...)" and exits 77 (ctest: skipped) before any test case runs.
+#define CUDAMEM_TEST_NEEDS_DEVICES(n) \
+  extern "C" int cudamem_test_devices_needed() { return (n); }
+
 namespace cudamem_test {
 
 /// Device 0's free memory after everything submitted has finished.

@@ -2,8 +2,19 @@
 // the block is destroyed: the single owning piece inside device_buffer and pinned_buffer.
 // Keeping ownership in one small type is what makes the buffers exception-safe without a
 // try/catch in every member: a block made before a step that throws frees itself.
+//
+// Several devices. A block may be freed by a thread that has another device current (a
+// worker driving several GPUs, a buffer handed between threads). Resources allocate and free
+// on their own device whatever device is current, but a *default* stream handle (0, legacy,
+// per-thread) names a stream of the current device, not of the resource's: a pool that
+// records an event on it, or makes it wait, would order the wrong device's stream. So a block
+// on a default stream makes its resource's device current around the allocate and the free
+// (one cudaGetDevice when it already is); a block on an ordinary stream, which carries its
+// own device, calls nothing extra.
 #pragma once
 
+#include <cudamem/detail/cuda/quiet_device_scope.hpp>
+#include <cudamem/device.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/stream.hpp>
 
@@ -62,9 +73,14 @@ class owned_block {
   owned_block(memory_resource& resource, std::size_t bytes, std::size_t alignment,
               stream_view stream, allocation_form form, const std::source_location& where)
       : resource_(&resource), stream_(stream), alignment_(alignment) {
-    ptr_ = form == allocation_form::stream_ordered
-               ? resource.allocate(bytes, alignment, stream, where)
-               : resource.allocate(bytes, alignment, where);
+    if (form == allocation_form::synchronous) {
+      ptr_ = resource.allocate(bytes, alignment, where);
+    } else if (names_current_device(resource, stream) && bytes != 0) {
+      const device_guard on{resource.device()};  // the default stream of the resource's device
+      ptr_ = resource.allocate(bytes, alignment, stream, where);
+    } else {
+      ptr_ = resource.allocate(bytes, alignment, stream, where);
+    }
     bytes_ = ptr_ != nullptr ? bytes : 0;
   }
 
@@ -94,11 +110,17 @@ class owned_block {
 
   /// Frees the memory (on the block's stream) and leaves the block empty.
   void reset() noexcept {
-    if (ptr_ != nullptr) {
-      resource_->deallocate(ptr_, bytes_, alignment_, stream_);
-      ptr_ = nullptr;
-      bytes_ = 0;
+    if (ptr_ == nullptr) {
+      return;
     }
+    if (names_current_device(*resource_, stream_)) {
+      const quiet_device_scope on{resource_->device(), "cudamem: freeing a buffer on its device"};
+      resource_->deallocate(ptr_, bytes_, alignment_, stream_);
+    } else {
+      resource_->deallocate(ptr_, bytes_, alignment_, stream_);
+    }
+    ptr_ = nullptr;
+    bytes_ = 0;
   }
 
   /// Gives up ownership without freeing.
@@ -125,6 +147,20 @@ class owned_block {
   [[nodiscard]] memory_resource& resource() const noexcept { return *resource_; }
 
  private:
+  /// True when `stream` is a default-stream handle (whose device is whatever is current) and
+  /// the resource belongs to a real device: then that device must be current (see the top).
+  /// With no usable device there is nothing to switch to: the resource gives its own error.
+  static bool names_current_device(const memory_resource& resource, stream_view stream) noexcept {
+    if (!stream.is_default() || resource.device() < 0) {
+      return false;
+    }
+    try {
+      return device_count() > 0;  // cached after the first call
+    } catch (...) {
+      return false;
+    }
+  }
+
   memory_resource* resource_;
   stream_view stream_;
   void* ptr_ = nullptr;

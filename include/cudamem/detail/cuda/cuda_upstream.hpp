@@ -1,9 +1,10 @@
 // cudamem/detail/cuda/cuda_upstream.hpp — what the resources that call CUDA directly
 // (device_resource, async_resource, pinned_resource, managed_resource) have in common:
 // resolving their device, counting bytes, turning a failed CUDA allocation into
-// `out_of_memory`, and switching device inside noexcept frees.
+// `out_of_memory`, and switching device inside noexcept frees (quiet_device_scope.hpp).
 #pragma once
 
+#include <cudamem/detail/cuda/quiet_device_scope.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_resource.hpp>
@@ -80,44 +81,6 @@ class usage_counter {
  private:
   std::atomic<std::size_t> used_{0};
   std::atomic<std::size_t> peak_{0};
-};
-
-/// device_guard for noexcept paths (frees): a failure to switch is reported, not thrown, and
-/// `ok()` says whether the device is the wanted one.
-class quiet_device_scope {
- public:
-  quiet_device_scope(int device, std::string_view who) noexcept {
-    if (!report(cudaGetDevice(&previous_), who)) {
-      return;
-    }
-    if (previous_ == device) {
-      ok_ = true;
-      return;
-    }
-    ok_ = report(cudaSetDevice(device), who);
-    changed_ = ok_;
-  }
-  ~quiet_device_scope() {
-    if (changed_) {
-      report_error(cudaSetDevice(previous_), "cudamem: restoring the device after a free");
-    }
-  }
-  quiet_device_scope(const quiet_device_scope&) = delete;
-  quiet_device_scope& operator=(const quiet_device_scope&) = delete;
-
-  [[nodiscard]] bool ok() const noexcept { return ok_; }
-
- private:
-  static bool report(cudaError_t code, std::string_view who) noexcept {
-    if (code != cudaSuccess) {
-      report_error(code, who);
-      return false;
-    }
-    return true;
-  }
-  int previous_ = -1;
-  bool ok_ = false;
-  bool changed_ = false;
 };
 
 /// Waits for the work submitted to `stream` so far; reports (does not throw) a failure. Used

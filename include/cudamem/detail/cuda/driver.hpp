@@ -142,6 +142,11 @@ struct driver_api {
   PFN_cuMemSetAccess_v10020 mem_set_access = nullptr;
   PFN_cuMemGetAccess_v10020 mem_get_access = nullptr;
   PFN_cuMemGetAllocationGranularity_v10020 mem_get_allocation_granularity = nullptr;
+  // --- sharing physical memory between processes (vm_ipc.hpp)
+  PFN_cuMemExportToShareableHandle_v10020 mem_export_to_shareable_handle = nullptr;
+  PFN_cuMemImportFromShareableHandle_v10020 mem_import_from_shareable_handle = nullptr;
+  PFN_cuMemGetAllocationPropertiesFromHandle_v10020 mem_get_allocation_properties_from_handle =
+      nullptr;
 };
 
 /// Asks the runtime for `symbol` at ABI `version` and stores it in `slot`; throws
@@ -211,6 +216,10 @@ inline driver_api load_driver_api(const std::source_location& where) {
   load(api.mem_set_access, "cuMemSetAccess", 10020);
   load(api.mem_get_access, "cuMemGetAccess", 10020);
   load(api.mem_get_allocation_granularity, "cuMemGetAllocationGranularity", 10020);
+  load(api.mem_export_to_shareable_handle, "cuMemExportToShareableHandle", 10020);
+  load(api.mem_import_from_shareable_handle, "cuMemImportFromShareableHandle", 10020);
+  load(api.mem_get_allocation_properties_from_handle, "cuMemGetAllocationPropertiesFromHandle",
+       10020);
 
   const CUresult initialised = api.init(0);
   if (initialised != CUDA_SUCCESS) {

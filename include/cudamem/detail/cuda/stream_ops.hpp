@@ -3,6 +3,8 @@
 // without a kernel (so that every header compiles with a plain C++ compiler).
 #pragma once
 
+#include <cudamem/detail/cuda/quiet_device_scope.hpp>
+#include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/stream.hpp>
 
@@ -16,18 +18,35 @@ namespace cudamem::detail {
 
 /// Makes work submitted to `later` from now on wait for the work submitted to `earlier` so
 /// far, without blocking the host (an event recorded on one, waited on by the other). Nothing
-/// when they are the same stream: stream order already does it.
+/// when they are the same stream: stream order already does it. The two may belong to
+/// different devices: the event is made and recorded on `earlier`'s device (CUDA refuses an
+/// event and a stream of different devices), and `later` may wait for an event of any device.
+/// A default-stream handle is the current device's stream, as everywhere in CUDA.
 inline void order_after(stream_view later, stream_view earlier) {
   if (later == earlier) {
     return;
   }
+  int device = -1;
+  if (!earlier.is_default()) {
+    check(cudaStreamGetDevice(earlier.get(), &device), "cudaStreamGetDevice");
+  } else {
+    check(cudaGetDevice(&device), "cudaGetDevice");
+  }
   cudaEvent_t marker = nullptr;
-  check(cudaEventCreateWithFlags(&marker, cudaEventDisableTiming), "cudaEventCreateWithFlags");
-  const cudaError_t recorded = cudaEventRecord(marker, earlier.get());
+  cudaError_t recorded = cudaSuccess;
+  {
+    const device_guard on{device};
+    check(cudaEventCreateWithFlags(&marker, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    recorded = cudaEventRecord(marker, earlier.get());
+  }
+  // Back on the caller's device: a default `later` is the caller's stream.
   const cudaError_t waited =
       recorded == cudaSuccess ? cudaStreamWaitEvent(later.get(), marker, 0) : recorded;
-  // Destroying right away is allowed: the wait already enqueued keeps what it needs.
-  report_error(cudaEventDestroy(marker), "cudaEventDestroy");
+  {
+    // Destroying right away is allowed: the wait already enqueued keeps what it needs.
+    const quiet_device_scope on{device, "cudaEventDestroy: switching to the event's device"};
+    report_error(cudaEventDestroy(marker), "cudaEventDestroy");
+  }
   check(waited, "ordering one stream after another (cudaEventRecord / cudaStreamWaitEvent)");
 }
 

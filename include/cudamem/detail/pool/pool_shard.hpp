@@ -222,7 +222,7 @@ struct alignas(64) pool_shard {
     }
     used -= b->size;
     if (policy.tracks_streams && stream != nullptr) {
-      ledger.note_free(b->tag, *stream);
+      ledger.note_free(b->tag, *stream, policy.device);
     }
     if (policy.cacheable(b->size, cached.bytes())) {
       cached.push(b);

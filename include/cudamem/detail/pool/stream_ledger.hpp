@@ -2,7 +2,7 @@
 // blocks were freed on, and the events that tell when those frees are complete.
 //
 //   stream_ledger ledger;                      // one per shard, under the shard's lock
-//   ledger.note_free(block.tag, s);            // "the last use of this block was put on s"
+//   ledger.note_free(block.tag, s, device);    // "the last use of this block was put on s"
 //   make_ready(block.tag, &t, device);         // before the block goes to a request on t
 //   ledger.retire(s);                          // s is about to be destroyed
 //
@@ -41,6 +41,7 @@ namespace cudamem::detail {
 /// and is safe for other streams once an event recorded after it has completed.
 struct stream_record {
   cudaStream_t handle = nullptr;
+  int device = -1;                  ///< the pool's device: a default stream's device
   std::thread::id thread;           ///< the owner, for cudaStreamPerThread only
   std::uint64_t frees = 0;          ///< frees made on this stream so far
   cudaEvent_t event = nullptr;      ///< created when first needed
@@ -116,24 +117,36 @@ inline void synchronize_device(int device) {
   check(code, "pool_resource: cudaDeviceSynchronize");
 }
 
+/// Whether `s` names a default stream: which device's it is depends on the current device.
+[[nodiscard]] inline bool is_default_stream(cudaStream_t s) noexcept {
+  return s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread;
+}
+
 /// Records rec's event on its stream now, covering every free made on it so far. The event is
-/// created on the stream's own device (whatever device is current). Throws cuda_error.
+/// created and recorded on the stream's own device, whatever device is current: a default
+/// stream's device is the pool's (`rec.device`), since the handle alone names whichever device
+/// is current. Throws cuda_error.
 inline void record_event(stream_record& rec) {
-  if (rec.event == nullptr) {
-    int device = 0;
+  int device = rec.device;
+  if (device < 0 || !is_default_stream(rec.handle)) {
     check(cudaStreamGetDevice(rec.handle, &device), "pool_resource: cudaStreamGetDevice");
-    int previous = 0;
-    check(cudaGetDevice(&previous), "pool_resource: cudaGetDevice");
-    if (previous != device) {
-      check(cudaSetDevice(device), "pool_resource: cudaSetDevice");
-    }
-    const cudaError_t code = cudaEventCreateWithFlags(&rec.event, cudaEventDisableTiming);
-    if (previous != device) {
-      static_cast<void>(cudaSetDevice(previous));
-    }
-    check(code, "pool_resource: cudaEventCreateWithFlags");
   }
-  check(cudaEventRecord(rec.event, rec.handle), "pool_resource: cudaEventRecord");
+  int previous = 0;
+  check(cudaGetDevice(&previous), "pool_resource: cudaGetDevice");
+  if (previous != device) {
+    check(cudaSetDevice(device), "pool_resource: cudaSetDevice");
+  }
+  cudaError_t code = cudaSuccess;
+  if (rec.event == nullptr) {
+    code = cudaEventCreateWithFlags(&rec.event, cudaEventDisableTiming);
+  }
+  if (code == cudaSuccess) {
+    code = cudaEventRecord(rec.event, rec.handle);
+  }
+  if (previous != device) {
+    static_cast<void>(cudaSetDevice(previous));
+  }
+  check(code, "pool_resource: recording an event after a free");
   rec.event_covers = rec.frees;
 }
 
@@ -200,11 +213,11 @@ class stream_ledger {
                : nullptr;
   }
 
-  /// Tags `tag` with a free on `s`. On any failure, waits for `s` instead (then nothing is
-  /// pending).
-  void note_free(pending_frees& tag, stream_view s) noexcept {
+  /// Tags `tag` with a free on `s` (`device`: the pool's). On any failure, waits for `s`
+  /// instead (then nothing is pending).
+  void note_free(pending_frees& tag, stream_view s, int device) noexcept {
     try {
-      stream_record& rec = record_for(s);
+      stream_record& rec = record_for(s, device);
       ++rec.frees;
       if (rec.handle == cudaStreamPerThread) {
         record_event(rec);  // no other thread can name this stream later
@@ -237,7 +250,7 @@ class stream_ledger {
   }
 
  private:
-  stream_record& record_for(stream_view s) {
+  stream_record& record_for(stream_view s, int device) {
     stream_record* rec = last_;
     if (rec != nullptr && rec->is(s) && !rec->retired) {
       return *rec;
@@ -250,6 +263,7 @@ class stream_ledger {
     }
     auto fresh = std::make_unique<stream_record>();
     fresh->handle = s.get();
+    fresh->device = device;
     fresh->thread = std::this_thread::get_id();
     streams_.push_back(std::move(fresh));
     last_ = streams_.back().get();

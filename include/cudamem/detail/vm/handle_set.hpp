@@ -30,6 +30,8 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <stdexcept>
+#include <utility>
 #include <vector>
 
 namespace cudamem::detail {
@@ -96,6 +98,28 @@ class handle_set {
     std::size_t bytes = 0;
     for_each_inside(begin, end, [&](std::uintptr_t, const mapped_handle& h) { bytes += h.bytes; });
     return bytes;
+  }
+
+  /// Appends to `out` the handles under [address, address + bytes) (a live block: handles tile
+  /// the mapped memory), in address order, as (handle, bytes); returns how far `address` lies
+  /// into the first. Throws std::logic_error if they are not adjacent.
+  std::size_t handles_under(std::uintptr_t address, std::size_t bytes,
+                            std::vector<std::pair<vm_handle, std::size_t>>& out) const {
+    auto h = by_address_.upper_bound(address);
+    if (h == by_address_.begin()) {
+      throw std::logic_error("cudamem::vm_resource: no handle under a live block");
+    }
+    --h;
+    const std::size_t offset = address - h->first;
+    std::uintptr_t next = h->first;
+    for (; h != by_address_.end() && h->first < address + bytes; ++h) {
+      if (h->first != next) {
+        throw std::logic_error("cudamem::vm_resource: a live block over non-adjacent handles");
+      }
+      out.emplace_back(h->second.handle, h->second.bytes);
+      next = h->first + h->second.bytes;
+    }
+    return offset;
   }
 
   /// Whether a handle or a stale alias is mapped in [base, base + bytes).
