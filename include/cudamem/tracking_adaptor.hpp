@@ -38,6 +38,8 @@
 //                                              tracked, so a correct free later still works,
 //                                              and it is reported as a leak if none comes).
 //   `bad_frees()` counts them.
+// - When this chain holds the memory a request failed for (verdict `exhausted`), its
+//   out-of-memory advice counts the live allocations and points at leaks().
 // - Thread-safe: the record is split into 16 shards, one per thread (threads are numbered as
 //   they first come; the 17th shares the first's), each with its own lock. A thread records
 //   what it allocates in its own shard and looks there first when it frees, so threads that
@@ -508,6 +510,20 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
   }
 
   std::string_view do_name() const noexcept override { return "tracking_adaptor"; }
+  std::string do_oom_hint(const memory_report& report, std::size_t position) const override {
+    if (report.verdict != oom_verdict::exhausted) {
+      return {};
+    }
+    const std::size_t live = live_count();
+    if (live == 0) {
+      return {};
+    }
+    return "This process holds the memory through this chain: the tracking_adaptor has " +
+           std::to_string(live) + " live allocation" + (live == 1 ? "" : "s") + " (" +
+           format_bytes(report.chain[position].stats.used_bytes) +
+           "); leaks() lists them, oldest first, each with the line that made it: free those "
+           "no longer needed, or lower the working set.";
+  }
   resource_stats do_stats() const override {
     std::size_t used = 0;
     std::size_t sum_of_most = 0;

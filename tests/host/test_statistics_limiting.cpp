@@ -456,7 +456,7 @@ TEST_CASE("limiting: within the budget, then over it with the budget verdict") {
     CHECK(e.report().chain[0].stats.used_bytes == 600);
     const std::string text = e.what();
     CHECK(text.find("budget") != std::string::npos);
-    CHECK(text.find("raise the budget") != std::string::npos);
+    CHECK(text.find("raise its budget with set_budget()") != std::string::npos);
   }
   CHECK(capped.used_bytes() == 600);  // the failure took nothing
   void* b = capped.allocate(400);     // exactly up to the budget is allowed
