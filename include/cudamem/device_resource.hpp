@@ -80,8 +80,10 @@ class device_resource final : public memory_resource {
     return same != nullptr && same->device() == device();
   }
   std::string_view do_name() const noexcept override { return "device_resource"; }
-  std::string do_oom_hint(const memory_report& report, std::size_t /*position*/) const override {
-    if (report.verdict != oom_verdict::fragmentation || !report.device_free) {
+  std::string do_oom_hint(const memory_report& report, std::size_t position) const override {
+    // Only the device's own fragmentation (not a pool's above it) is cudaMalloc's to explain.
+    if (report.verdict != oom_verdict::fragmentation || report.verdict_subject() != position ||
+        !report.device_free) {
       return {};
     }
     return "cudaMalloc could not find " + format_bytes(report.requested_bytes) +

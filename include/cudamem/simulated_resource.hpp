@@ -241,8 +241,9 @@ class simulated_resource final : public memory_resource {
   }
 
   std::string_view do_name() const noexcept override { return "simulated_resource"; }
-  std::string do_oom_hint(const memory_report& report, std::size_t /*position*/) const override {
-    if (report.verdict != oom_verdict::fragmentation ||
+  std::string do_oom_hint(const memory_report& report, std::size_t position) const override {
+    // Only its own fragmentation (not a pool's above it) is the layout's to explain.
+    if (report.verdict != oom_verdict::fragmentation || report.verdict_subject() != position ||
         options_.layout != simulated_layout::first_fit) {
       return {};
     }

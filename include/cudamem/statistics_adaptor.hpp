@@ -11,6 +11,9 @@
 //   }
 //   auto all = counted.counters();        // since the adaptor was made
 //
+//   cudamem::statistics_adaptor exact{pool, {.peak_slack = 0}};  // an exact peak however
+//                                                                 // threads race (see below)
+//
 // Contract
 // - Every request is forwarded unchanged (same form: stream-ordered or synchronous). An
 //   allocation is counted after it succeeded (a failed one counts nothing, and its
@@ -27,7 +30,7 @@
 //   is a bound: never below the most bytes that were in use at once (counting an allocation
 //   from its return and a free from its call), never above it by more than
 //   `peak_error_bound()` = (2n - 1) x `peak_slack`, n being the threads that have counted
-//   here (at most thread_slots + 1; 4 MiB x 31 = 124 MiB for 16 threads with the default).
+//   here (at most thread_slots; 4 MiB x 31 = 124 MiB for 16 threads with the default).
 //   It is usually much closer: it is also never above the sum of each thread's own most,
 //   which is the true peak when the threads' bytes rise and fall together. With
 //   `peak_slack = 0` it is exact however threads race, and never passes what the upstream

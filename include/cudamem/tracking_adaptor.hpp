@@ -9,6 +9,7 @@
 //   std::puts(tracked.leaks().to_text().c_str());
 //   cudamem::tracking_adaptor timed{pool, {.timestamps = true}};  // "..., 0.012 ms after the
 //                                                                  // adaptor was made" too
+//   std::size_t in_use = tracked.stats().used_bytes;               // exact, from any thread
 //   //   tracking_adaptor: 1 live allocation (4.00 KiB):
 //   //     4.00 KiB at 0x7f3a00000000 (alignment 256) allocated at main.cpp:13 in `int main()`,
 //   //       synchronous, thread 0x7f3b...

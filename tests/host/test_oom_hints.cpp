@@ -108,6 +108,20 @@ TEST_CASE("pool_resource: fragmentation advice, the pool's general one") {
   free_all(pool, kept, 2 * MiB);
 }
 
+TEST_CASE("a capped pool's fragmentation is the pool's, not the device's below it") {
+  // (examples/explain_oom.cu on a simulated first-fit device.) The device has plenty free and
+  // its own layout fragments too, but it is the pool that failed: the advice is about it.
+  simulated_resource device{{.capacity = 8 * GiB}};  // first fit
+  pool_resource pool{device, {.maximum_size = 1 * GiB, .growth_step = 256 * MiB}};
+  const std::vector<void*> kept = free_every_other(pool, fill(pool, 64 * MiB), 64 * MiB);
+  const memory_report r = failure_of([&] { static_cast<void>(pool.allocate(128 * MiB)); });
+  CHECK(r.verdict == oom_verdict::fragmentation);
+  CHECK(r.verdict_subject() == 0u);
+  CHECK(has(r.hint(), "pool_resource has 512.00 MiB free, in blocks of at most 64.00 MiB"));
+  CHECK_FALSE(has(r.hint(), "first fit"));
+  free_all(pool, kept, 64 * MiB);
+}
+
 TEST_CASE("pool_resource: exhausted, and larger than the device") {
   simulated_resource device{{.capacity = 256 * MiB, .layout = simulated_layout::paged}};
   pool_resource pool{device};
