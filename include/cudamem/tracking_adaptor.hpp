@@ -287,7 +287,7 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
     const std::thread::id thread = std::this_thread::get_id();
     const std::uint64_t ticks = timestamps_ ? detail::read_ticks() : 0;
     const std::uint64_t sequence = detail::next_allocation_sequence();
-    const auto alignment_log2 = static_cast<std::uint8_t>(std::countr_zero(alignment));
+    const std::uint8_t alignment_log2 = detail::log2_of_power_of_two(alignment);
 
     std::unique_ptr<detail::tracked_allocation> displaced;  // an upstream bug's evidence
     bool was_live = false;
