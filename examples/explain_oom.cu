@@ -1,6 +1,7 @@
 // explain_oom — every seed ends in the same two words, "out of memory", and the question
 // they leave: why? cudamem's out_of_memory carries a memory_report: the request, the device's
-// free and total memory, what each resource in the chain holds, a verdict and a hint.
+// free and total memory, what each resource in the chain holds, who else holds the device,
+// a verdict and advice that fits the resource that failed.
 //
 //   ./run example explain_oom
 //

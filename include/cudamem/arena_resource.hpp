@@ -18,7 +18,9 @@
 //   chunk. When the chunk is full the arena moves to its next chunk (kept from before a
 //   rewind) or asks the upstream for a new one: `initial_chunk_size` first, then each new
 //   chunk `growth_factor` times the last, up to `maximum_chunk_size` — or the request's size
-//   when that is larger. A failing upstream throws its out_of_memory; the arena is unchanged.
+//   when that is larger. A failing upstream's out_of_memory comes out with a report that
+//   starts at the arena (its cause names the chunk asked for), and the arena is unchanged;
+//   when the arena holds chunks it is not using, the report's hint says rewind/release.
 // - deallocate does nothing (the size and pointer are not even checked).
 // - release() returns every chunk to the upstream; the destructor does too. rewind(mark) (and
 //   arena_scope's destructor) makes every byte allocated after the mark available again but
@@ -41,6 +43,7 @@
 #pragma once
 
 #include <cudamem/detail/nvtx.hpp>
+#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 
@@ -194,7 +197,14 @@ class arena_resource final : public memory_resource {
     if (next == chunks_.size()) {
       const std::size_t size = std::max(needed, next_chunk_size_);
       chunks_.reserve(chunks_.size() + 1);  // before asking: a bad_alloc here leaks nothing
-      void* p = upstream_->allocate(size, std::max(alignment, default_alignment));
+      void* p = nullptr;
+      try {
+        p = upstream_->allocate(size, std::max(alignment, default_alignment));
+      } catch (const out_of_memory& below) {  // reported from here: the chain shows the arena
+        memory_report chunk_failure = below.report();
+        chunk_failure.cause += " (arena_resource asked it for a chunk of " + format_bytes(size) + ")";
+        rethrow_out_of_memory(*this, bytes, alignment, chunk_failure);
+      }
       void* heap = annotates_ ? detail::memory_annotations::add_heap(
                                     p, size, "cudamem::arena_resource chunk")
                               : nullptr;
@@ -233,6 +243,17 @@ class arena_resource final : public memory_resource {
   }
 
   std::string_view do_name() const noexcept override { return "arena_resource"; }
+  std::string do_oom_hint(const memory_report& report, std::size_t /*position*/) const override {
+    if (report.verdict == oom_verdict::budget || report.verdict == oom_verdict::larger_than_device ||
+        report.verdict == oom_verdict::unknown || reserved_ <= used_) {
+      return {};
+    }
+    return "This arena_resource holds " + format_bytes(reserved_) + " in " +
+           std::to_string(chunks_.size()) + " chunk" + (chunks_.size() == 1 ? "" : "s") +
+           ", of which " + format_bytes(used_) + " were handed out since the last rewind: an "
+           "arena frees nothing until rewind() (arena_scope) or release(). Rewind it every "
+           "iteration so its chunks are reused, or release() them when the phase ends.";
+  }
   memory_resource* do_upstream() const noexcept override { return upstream_; }
   resource_stats do_stats() const override {
     resource_stats s;

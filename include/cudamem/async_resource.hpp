@@ -42,6 +42,7 @@
 #pragma once
 
 #include <cudamem/detail/cuda/cuda_upstream.hpp>
+#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 
 #include <cuda_runtime_api.h>
@@ -188,6 +189,23 @@ class async_resource final : public memory_resource {
     return same != nullptr && same->pool_ == pool_;  // the same pool frees the same blocks
   }
   std::string_view do_name() const noexcept override { return "async_resource"; }
+  std::string do_oom_hint(const memory_report& report, std::size_t position) const override {
+    const resource_stats& here = report.chain[position].stats;
+    if (report.verdict == oom_verdict::budget || report.verdict == oom_verdict::larger_than_device ||
+        report.verdict == oom_verdict::unknown || here.reserved_bytes <= here.used_bytes) {
+      return {};
+    }
+    std::string text = "The CUDA memory pool under this async_resource holds " +
+                       format_bytes(here.reserved_bytes) + ", of which " +
+                       format_bytes(here.used_bytes) + " is in use through it";
+    if (!owns_pool_) {
+      text += " (it is the device's default pool: every cudaMallocAsync of the process shares "
+              "it)";
+    }
+    return text + ": trim(0) gives the unused memory back to the device, and a release "
+                  "threshold below UINT64_MAX (set_release_threshold) lets each "
+                  "synchronisation do so.";
+  }
   resource_stats do_stats() const override {
     resource_stats s = usage_.leaf_stats();
     s.reserved_bytes = static_cast<std::size_t>(attribute(cudaMemPoolAttrReservedMemCurrent));

@@ -31,11 +31,13 @@
 #pragma once
 
 #include <cudamem/detail/cuda/cuda_upstream.hpp>
+#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
+#include <string>
 #include <string_view>
 
 namespace cudamem {
@@ -80,6 +82,19 @@ class device_resource final : public memory_resource {
   std::string_view do_name() const noexcept override { return "device_resource"; }
   /// cudaMalloc'd memory: a pool over it may register its chunks as NVTX heaps.
   bool do_allows_nvtx_heaps() const noexcept override { return true; }
+  std::string do_oom_hint(const memory_report& report, std::size_t position) const override {
+    // Only the device's own fragmentation (not a pool's above it) is cudaMalloc's to explain.
+    if (report.verdict != oom_verdict::fragmentation || report.verdict_subject() != position ||
+        !report.device_free) {
+      return {};
+    }
+    return "cudaMalloc could not find " + format_bytes(report.requested_bytes) +
+           " in one piece although the device reports " + format_bytes(*report.device_free) +
+           " free: that memory lies in pieces between other allocations, or part of it is the "
+           "driver's own. Take large buffers first, or through a pool that holds its memory "
+           "from the start (pool_resource with initial_size), or use vm_pool_resource, which "
+           "maps free physical memory behind a fresh range.";
+  }
   resource_stats do_stats() const override { return usage_.leaf_stats(); }
 
   detail::usage_counter usage_;

@@ -20,7 +20,7 @@
 //   count: "the k-th call" is counted from the moment the plan is set, 1-based. k = 0 is
 //   refused (`std::invalid_argument`), as is a probability outside [0, 1].
 // - An injected failure throws `out_of_memory` whose cause says it was injected and which
-//   call it was; the upstream is not asked. Zero-byte requests never reach the adaptor (the
+//   call it was, and whose hint says nothing ran out; the upstream is not asked. Zero-byte requests never reach the adaptor (the
 //   interface answers them), so they are not counted.
 // - Deallocations always pass through, in the form they came in (stream-ordered or not).
 // - The random plan is deterministic: the same seed gives the same failures on every
@@ -29,6 +29,7 @@
 // - Thread-safe: counters are atomic; the random generator is behind a mutex.
 #pragma once
 
+#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 
@@ -72,6 +73,7 @@ class failing_adaptor final : public memory_resource {
 
  private:
   enum class plan { never, only_kth, from_kth, random };
+  static constexpr const char* injected_cause = "failure injected by failing_adaptor";
 
   static std::size_t require_positive(std::size_t k) {
     if (k == 0) {
@@ -120,7 +122,7 @@ class failing_adaptor final : public memory_resource {
     if (should_fail(call)) {
       ++failures_;
       throw_out_of_memory(*this, bytes, alignment,
-                          "failure injected by failing_adaptor on allocate call " +
+                          std::string(injected_cause) + " on allocate call " +
                               std::to_string(call));
     }
   }
@@ -144,6 +146,13 @@ class failing_adaptor final : public memory_resource {
   }
 
   std::string_view do_name() const noexcept override { return "failing_adaptor"; }
+  std::string do_oom_hint(const memory_report& report, std::size_t /*position*/) const override {
+    if (report.cause.rfind(injected_cause, 0) != 0) {
+      return {};  // a real failure from below: the rest of the chain knows why
+    }
+    return "Nothing ran out: failing_adaptor failed this request on purpose (" + report.cause +
+           "), to test that the code around it leaks nothing when an allocation fails.";
+  }
   resource_stats do_stats() const override { return upstream_->stats(); }
   memory_resource* do_upstream() const noexcept override { return upstream_; }
 

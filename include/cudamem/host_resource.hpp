@@ -20,6 +20,7 @@
 
 #include <atomic>
 #include <new>
+#include <string>
 
 namespace cudamem {
 
@@ -54,6 +55,14 @@ class host_resource final : public memory_resource {
     return dynamic_cast<const host_resource*>(&other) != nullptr;
   }
   std::string_view do_name() const noexcept override { return "host_resource"; }
+  std::string do_oom_hint(const memory_report& report, std::size_t /*position*/) const override {
+    if (report.verdict != oom_verdict::unknown) {
+      return {};
+    }
+    return "The operating system refused " + format_bytes(report.requested_bytes) +
+           " of host memory: the machine's memory, or a limit on this process (ulimit -v, a "
+           "container's memory limit), is used up.";
+  }
   resource_stats do_stats() const override {
     resource_stats s;
     s.used_bytes = s.reserved_bytes = used_.load(std::memory_order_relaxed);

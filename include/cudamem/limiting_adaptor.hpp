@@ -20,6 +20,8 @@
 //   compare-and-swap before the upstream is asked, so two threads can never both pass it.
 // - `set_budget` may lower the budget below what is in use: nothing is taken back, later
 //   requests fail until enough is freed.
+// - Its out-of-memory advice (memory_report's hint) names the budget, what is in use through
+//   it, and set_budget().
 #pragma once
 
 #include <cudamem/detail/adaptors/adaptor_base.hpp>
@@ -86,6 +88,17 @@ class limiting_adaptor final : public detail::adaptor_base<limiting_adaptor> {
   }
 
   std::string_view do_name() const noexcept override { return "limiting_adaptor"; }
+  std::string do_oom_hint(const memory_report& report, std::size_t position) const override {
+    const resource_stats& here = report.chain[position].stats;
+    if (report.verdict != oom_verdict::budget || !here.budget ||
+        here.used_bytes + report.requested_bytes <= *here.budget) {
+      return {};  // not this budget: the rest of the chain knows better
+    }
+    return "This limiting_adaptor allows " + format_bytes(*here.budget) + " and has " +
+           format_bytes(here.used_bytes) + " in use (" + format_bytes(here.peak_used_bytes) +
+           " at most so far): raise its budget with set_budget(), or free buffers allocated "
+           "through it before this request. The memory below it was not asked for.";
+  }
   resource_stats do_stats() const override {
     resource_stats s;
     s.reserved_bytes = s.used_bytes = used_bytes();

@@ -25,6 +25,7 @@
 #pragma once
 
 #include <cudamem/detail/cuda/cuda_upstream.hpp>
+#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 
 #include <cuda_runtime_api.h>
@@ -94,6 +95,16 @@ class managed_resource final : public memory_resource {
     return same != nullptr && same->device() == device() && same->attach_ == attach_;
   }
   std::string_view do_name() const noexcept override { return "managed_resource"; }
+  std::string do_oom_hint(const memory_report& report, std::size_t /*position*/) const override {
+    if (report.verdict != oom_verdict::larger_than_device &&
+        report.verdict != oom_verdict::exhausted && report.verdict != oom_verdict::unknown) {
+      return {};
+    }
+    return "cudaMallocManaged could not give " + format_bytes(report.requested_bytes) +
+           ": managed memory exceeds the device only where the driver pages it (Linux, a GPU "
+           "with concurrent managed access), and host memory and swap bound it there too. "
+           "Split the work, or free managed buffers no longer needed.";
+  }
   resource_stats do_stats() const override { return usage_.leaf_stats(); }
 
   unsigned attach_;

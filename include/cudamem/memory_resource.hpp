@@ -47,6 +47,8 @@
 // - Every allocate takes the caller's `std::source_location` as a defaulted last argument, so
 //   a tracking adaptor anywhere down the chain can name the user's line
 //   (`current_allocation_site()`); owners pass their own caller's location through.
+// - `oom_hint(report, position)`: a resource may advise on its own failures (what its options
+//   and calls can do); memory_report.hpp asks it. Default: nothing.
 // - The CCCL names are here too (`allocate_async`/`deallocate_async`, `allocate_sync`/
 //   `deallocate_sync`), so cudamem resources satisfy `cuda::mr::async_resource`.
 #pragma once
@@ -62,6 +64,8 @@
 #include <string_view>
 
 namespace cudamem {
+
+struct memory_report;  // memory_report.hpp: what a resource is asked to advise on
 
 /// The alignment used when none is given: what cudaMalloc guarantees.
 inline constexpr std::size_t default_alignment = 256;
@@ -248,6 +252,13 @@ class memory_resource {
   /// their upstream.
   [[nodiscard]] bool allows_nvtx_heaps() const noexcept { return do_allows_nvtx_heaps(); }
 
+  /// Advice of this resource's own for a failed request, or empty: what its options and
+  /// calls can do about `report`'s verdict. `position` is where it stands in report.chain.
+  /// The report asks (memory_report.hpp's contract); a resource overrides do_oom_hint.
+  [[nodiscard]] std::string oom_hint(const memory_report& report, std::size_t position) const {
+    return do_oom_hint(report, position);
+  }
+
  protected:
   memory_resource(memory_kind kind, int device) noexcept : kind_(kind), device_(device) {}
 
@@ -299,6 +310,11 @@ class memory_resource {
   virtual resource_stats do_stats() const { return {}; }
   virtual memory_resource* do_upstream() const noexcept { return nullptr; }
   virtual bool do_allows_nvtx_heaps() const noexcept { return false; }
+  /// Default: nothing of its own to say; the report's general advice for the verdict stands.
+  virtual std::string do_oom_hint(const memory_report& /*report*/,
+                                  std::size_t /*position*/) const {
+    return {};
+  }
 
   memory_kind kind_;
   int device_;

@@ -12,7 +12,11 @@
 // - `out_of_memory` is a `std::bad_alloc`, so code that already catches bad_alloc keeps working.
 // - `report()` is the structured diagnosis (see memory_report.hpp); `what()` is its short text.
 // - Throwing one never allocates device memory; building the report queries the device's
-//   free/total memory (cudaMemGetInfo) when the memory is device-side.
+//   free/total memory (cudaMemGetInfo) and who holds it (NVML) when the memory is device-side.
+// - `throw_out_of_memory(resource, ...)` is for the resource that failed;
+//   `rethrow_out_of_memory(resource, ..., below)` for one passing on a failure from below
+//   (adaptors): the report then starts at it and keeps the cause, the verdict and which
+//   resource failed first.
 #pragma once
 
 #include <cudamem/memory_report.hpp>
@@ -40,15 +44,28 @@ class out_of_memory : public std::bad_alloc {
 };
 
 /// Builds the report for a failed request to `resource` and throws it. `cause` is a short
-/// line from the resource that failed ("cudaMalloc returned cudaErrorMemoryAllocation").
+/// line from the resource that failed ("cudaMalloc returned cudaErrorMemoryAllocation");
+/// `verdict`, when given, replaces the report's own diagnosis.
 [[noreturn]] inline void throw_out_of_memory(const memory_resource& resource, std::size_t bytes,
                                              std::size_t alignment, std::string cause = {},
                                              std::optional<oom_verdict> verdict = std::nullopt) {
-  memory_report report = make_memory_report(resource, bytes, alignment, std::move(cause));
-  if (verdict) {
-    report.verdict = *verdict;
+  throw out_of_memory(
+      detail::build_report(resource, bytes, alignment, std::move(cause), verdict, 0));
+}
+
+/// For a resource passing on the failure of one below it: throws a report that starts at
+/// `resource` (so it shows the whole chain from there) and keeps what `below` knew — its
+/// cause, its verdict, and which resource failed first.
+[[noreturn]] inline void rethrow_out_of_memory(const memory_resource& resource, std::size_t bytes,
+                                               std::size_t alignment, const memory_report& below) {
+  // The resources from the one that failed down to the leaf are the same in both chains.
+  const std::size_t from_leaf = below.chain.empty() ? 0 : below.chain.size() - 1 - below.origin;
+  std::size_t depth = 0;
+  for (const memory_resource* r = resource.upstream(); r != nullptr; r = r->upstream()) {
+    ++depth;
   }
-  throw out_of_memory(std::move(report));
+  throw out_of_memory(detail::build_report(resource, bytes, alignment, below.cause,
+                                           below.verdict, depth >= from_leaf ? depth - from_leaf : 0));
 }
 
 }  // namespace cudamem

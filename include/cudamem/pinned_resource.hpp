@@ -27,6 +27,7 @@
 #pragma once
 
 #include <cudamem/detail/cuda/cuda_upstream.hpp>
+#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 
 #include <cuda_runtime_api.h>
@@ -92,6 +93,17 @@ class pinned_resource final : public memory_resource {
     return same != nullptr && same->device() == device() && same->flags_ == flags_;
   }
   std::string_view do_name() const noexcept override { return "pinned_resource"; }
+  std::string do_oom_hint(const memory_report& report, std::size_t position) const override {
+    if (report.verdict != oom_verdict::unknown) {
+      return {};
+    }
+    return "Pinning " + format_bytes(report.requested_bytes) + " of host memory failed (" +
+           format_bytes(report.chain[position].stats.used_bytes) +
+           " pinned through this resource): page-locked memory is bounded by the machine's "
+           "memory and by the locked-memory limit (ulimit -l). Pin once and reuse it (a "
+           "pool_resource over this pinned_resource), pin less, or copy rarely used data "
+           "from pageable memory.";
+  }
   resource_stats do_stats() const override { return usage_.leaf_stats(); }
 
   unsigned flags_;

@@ -241,6 +241,18 @@ class simulated_resource final : public memory_resource {
   }
 
   std::string_view do_name() const noexcept override { return "simulated_resource"; }
+  std::string do_oom_hint(const memory_report& report, std::size_t position) const override {
+    // Only its own fragmentation (not a pool's above it) is the layout's to explain.
+    if (report.verdict != oom_verdict::fragmentation || report.verdict_subject() != position ||
+        options_.layout != simulated_layout::first_fit) {
+      return {};
+    }
+    return "This simulated device lays memory out first fit (simulated_layout::first_fit), as "
+           "memory without virtual addressing would: its free memory lies in ranges smaller "
+           "than " + format_bytes(report.requested_bytes) + ". A real GPU's cudaMalloc maps "
+           "pages behind fresh addresses instead (simulated_layout::paged); a pool or arena "
+           "that takes its memory early in large chunks avoids asking for large ranges late.";
+  }
 
   resource_stats do_stats() const override {
     const std::lock_guard lock(mutex_);

@@ -11,38 +11,49 @@
 //   }
 //   auto all = counted.counters();        // since the adaptor was made
 //
+//   cudamem::statistics_adaptor exact{pool, {.peak_slack = 0}};  // an exact peak however
+//                                                                 // threads race (see below)
+//
 // Contract
 // - Every request is forwarded unchanged (same form: stream-ordered or synchronous). An
 //   allocation is counted after it succeeded (a failed one counts nothing, and its
 //   `out_of_memory` passes through with a report that now starts at this adaptor); a free is
-//   counted before it is forwarded. So the count never holds bytes the upstream has already
-//   handed to someone else: the peak never passes what the upstream held.
+//   counted before it is forwarded.
 // - `counters()`: bytes in use now (`current_bytes`), the most there has been (`peak_bytes`),
 //   the sum of all bytes allocated and freed, and the number of allocations and frees.
-//   Counted in requested bytes (what callers asked for, not what the upstream rounded to).
-// - Thread-safe, and every counter is exact, the peak included, however threads race. A
-//   `counters()` taken while other threads allocate may mix moments (e.g. current from just
-//   before a free whose count is already in).
-// - Cost. Totals and counts: plain adds to a slot of the calling thread's own (one cache
-//   line), never a locked instruction; the first 64 threads that use an adaptor get a slot
-//   each (a thread that ends leaves its slot to the next thread given its id), further
-//   threads share one, updated with atomic adds. Bytes in use and the peak: one counter,
-//   which the first thread to use the adaptor updates with plain stores while it is the only
-//   one (detail/adaptors/owner_bias.hpp); once a second thread has used it, every thread adds to it
-//   atomically (one locked instruction per request; the exact peak needs every thread's
-//   bytes in one place). Switching costs the second thread one system call, once.
-//   `owned_by_one_thread()` says which it is.
+//   Counted in requested bytes (what callers asked for, not what the upstream rounded them to).
+// - Thread-safe. Totals, counts and bytes in use are exact however threads race (each thread
+//   counts in a slot of its own; `counters()` sums the slots). A `counters()` taken while
+//   other threads allocate may mix moments (e.g. current from just before a free whose count
+//   is already in).
+// - The peak. Used from one thread (one slot), it is exact. When threads share the adaptor it
+//   is a bound: never below the most bytes that were in use at once (counting an allocation
+//   from its return and a free from its call), never above it by more than
+//   `peak_error_bound()` = (2n - 1) x `peak_slack`, n being the threads that have counted
+//   here (at most thread_slots; 4 MiB x 31 = 124 MiB for 16 threads with the default).
+//   It is usually much closer: it is also never above the sum of each thread's own most,
+//   which is the true peak when the threads' bytes rise and fall together. With
+//   `peak_slack = 0` it is exact however threads race, and never passes what the upstream
+//   held, at the cost of an atomic add on one shared cache line per request
+//   (detail/adaptors/bytes_in_use.hpp explains the bound).
+// - Cost. Each thread counts in a slot of its own (one cache line, plain adds, no locked
+//   instruction); the first 64 threads that use an adaptor get a slot each (a thread that
+//   ends leaves its slot to the next thread given its id), further threads share one, updated
+//   with atomic adds. A thread's bytes in use reach the shared peak only when they have moved
+//   by `peak_slack` since they last did (an atomic add and a compare-and-swap then), so threads
+//   that share the adaptor do not take turns on one cache line.
 // - `scope` counts what passes through the adaptor, from any thread, between its construction
 //   and its destruction; scopes nest and overlap freely. Its `peak_bytes` is the most that
-//   `current_bytes` rose above its value when the scope opened. Scopes cost nothing while none
-//   is open; while one is, each allocation also takes a mutex to update the scopes' peaks.
+//   the bytes in use rose above their value when the scope opened, exact however threads race
+//   (a request racing the scope's opening counts as before it). Scopes cost nothing while none
+//   is open; while one is, each request also takes a mutex to update the open scopes.
 //   A scope must not outlive its adaptor; it is neither copyable nor movable.
 // - `stats()` reports the bytes in use through this adaptor as both reserved and used (an
 //   adaptor holds nothing of its own), so a `memory_report` shows what passed through here.
 #pragma once
 
 #include <cudamem/detail/adaptors/adaptor_base.hpp>
-#include <cudamem/detail/adaptors/owner_bias.hpp>
+#include <cudamem/detail/adaptors/bytes_in_use.hpp>
 #include <cudamem/memory_resource.hpp>
 
 #include <algorithm>
@@ -74,11 +85,19 @@ struct allocation_counters {
   }
 };
 
+/// How a statistics_adaptor counts the peak; see the contract.
+struct statistics_options {
+  /// How far one thread's bytes in use may move before the shared peak hears of it, when
+  /// threads share the adaptor. The peak is then at most (2n - 1) x this above the true peak
+  /// (n threads). 0: an exact peak, at one atomic add on a shared line per request.
+  std::size_t peak_slack = std::size_t{4} << 20;
+};
+
 namespace detail {
 
-/// The totals and counts one thread has added to a statistics_adaptor. Written only by the
-/// thread that owns it (plain load + store, no locked instruction) unless `shared` is set,
-/// when every thread without a slot of its own adds to it atomically.
+/// What one thread has counted in a statistics_adaptor. Written only by the thread that owns
+/// it (plain load + store, no locked instruction) unless `shared` is set, when every thread
+/// without a slot of its own adds to it atomically.
 struct alignas(64) counter_slot {
   std::atomic<std::thread::id> owner{};  // default id: free
   bool shared = false;
@@ -86,6 +105,7 @@ struct alignas(64) counter_slot {
   std::atomic<std::size_t> freed_bytes{0};
   std::atomic<std::size_t> allocations{0};
   std::atomic<std::size_t> deallocations{0};
+  usage_part usage;  // this thread's bytes in use (see bytes_in_use.hpp)
 
   void count_allocation(std::size_t bytes) noexcept {
     add_to_counter(allocations, std::size_t{1}, !shared);
@@ -120,32 +140,39 @@ class statistics_adaptor final : public detail::adaptor_base<statistics_adaptor>
   /// Threads that get a counter slot of their own (see the contract).
   static constexpr std::size_t thread_slots = 64;
 
-  explicit statistics_adaptor(memory_resource& upstream)
+  explicit statistics_adaptor(memory_resource& upstream, statistics_options options = {})
       : adaptor_base(upstream),
         id_(detail::next_statistics_adaptor_id()),
-        slots_(std::make_unique<detail::counter_slot[]>(thread_slots + 1)) {
-    slots_[thread_slots].shared = true;  // the last one: for threads beyond the first 64
+        slots_(std::make_unique<detail::counter_slot[]>(thread_slots + 1)),
+        usage_(options.peak_slack) {
+    // The last one: for threads beyond the first 64. It publishes every change at once, so
+    // it is never pending and need not be activated (see bytes_in_use.hpp).
+    slots_[thread_slots].shared = true;
   }
 
   /// Everything since construction; see the contract for how exact it is under concurrency.
   [[nodiscard]] allocation_counters counters() const noexcept {
     allocation_counters c;
+    std::size_t sum_of_most = 0;
     for (std::size_t i = 0; i <= thread_slots; ++i) {
       const detail::counter_slot& slot = slots_[i];
       c.allocated_bytes += slot.allocated_bytes.load(std::memory_order_relaxed);
       c.freed_bytes += slot.freed_bytes.load(std::memory_order_relaxed);
       c.allocations += slot.allocations.load(std::memory_order_relaxed);
       c.deallocations += slot.deallocations.load(std::memory_order_relaxed);
+      c.current_bytes += slot.usage.balance();  // two's complement: a negative part subtracts
+      sum_of_most += slot.usage.most();
     }
-    c.current_bytes = current_bytes_.load(std::memory_order_relaxed);
-    c.peak_bytes = peak_bytes_.load(std::memory_order_relaxed);
+    // (Read while requests are in flight, the sum may have moved past the peak's last update.)
+    c.peak_bytes = std::max(usage_.peak(sum_of_most), c.current_bytes);
     return c;
   }
 
-  /// True while one thread has used this adaptor and counts the bytes in use without atomic
-  /// instructions (see the contract); false once a second thread has, or where the system
-  /// cannot support it.
-  [[nodiscard]] bool owned_by_one_thread() const noexcept { return bias_.owned(); }
+  /// The most counters().peak_bytes may be above the true peak now (see the contract): 0
+  /// while one thread has counted here, or with peak_slack 0.
+  [[nodiscard]] std::size_t peak_error_bound() const noexcept {
+    return usage_.peak_error_bound();
+  }
 
   /// Counts what passes through `adaptor` while it lives; see the contract.
   class scope {
@@ -153,7 +180,6 @@ class statistics_adaptor final : public detail::adaptor_base<statistics_adaptor>
     explicit scope(statistics_adaptor& adaptor) : adaptor_(&adaptor) {
       const std::lock_guard lock(adaptor.scopes_mutex_);
       start_ = adaptor.counters();
-      highest_current_ = start_.current_bytes;
       adaptor.open_scopes_.push_back(this);
       adaptor.any_scope_open_.store(true, std::memory_order_relaxed);
     }
@@ -174,10 +200,8 @@ class statistics_adaptor final : public detail::adaptor_base<statistics_adaptor>
       c.freed_bytes = now.freed_bytes - start_.freed_bytes;
       c.allocations = now.allocations - start_.allocations;
       c.deallocations = now.deallocations - start_.deallocations;
-      c.current_bytes = now.current_bytes > start_.current_bytes
-                            ? now.current_bytes - start_.current_bytes
-                            : 0;
-      c.peak_bytes = highest_current_ - start_.current_bytes;
+      c.current_bytes = detail::as_signed(change_) > 0 ? change_ : 0;
+      c.peak_bytes = highest_change_;
       return c;
     }
 
@@ -185,7 +209,10 @@ class statistics_adaptor final : public detail::adaptor_base<statistics_adaptor>
     friend class statistics_adaptor;
     statistics_adaptor* adaptor_;
     allocation_counters start_;
-    std::size_t highest_current_ = 0;  // guarded by the adaptor's scopes_mutex_
+    // Guarded by the adaptor's scopes_mutex_: the bytes in use since the scope opened (two's
+    // complement), and the most that has been.
+    std::size_t change_ = 0;
+    std::size_t highest_change_ = 0;
   };
 
  private:
@@ -193,16 +220,9 @@ class statistics_adaptor final : public detail::adaptor_base<statistics_adaptor>
 
   void* adapt_allocate(std::size_t bytes, std::size_t alignment, detail::request_stream stream) {
     void* p = forward_allocate(bytes, alignment, stream);
-    this_thread_slot().count_allocation(bytes);
-    const bool alone = bias_.enter();  // this thread is the only one: no atomic instruction
-    const std::size_t now = detail::add_to_counter(current_bytes_, bytes, alone);
-    detail::raise_peak(peak_bytes_, now, alone);
-    if (alone) {
-      bias_.leave();
-    }
-    if (any_scope_open_.load(std::memory_order_relaxed)) [[unlikely]] {
-      raise_scopes(now);
-    }
+    detail::counter_slot& slot = this_thread_slot();
+    slot.count_allocation(bytes);
+    count_in_use(slot, bytes);
     return p;
   }
 
@@ -210,19 +230,31 @@ class statistics_adaptor final : public detail::adaptor_base<statistics_adaptor>
                         detail::request_stream stream) noexcept {
     // Counted before it is forwarded: once the upstream has it back, another thread may be
     // given the same bytes, and counting both at once would show a total that never was.
-    this_thread_slot().count_free(bytes);
-    const bool alone = bias_.enter();
-    detail::add_to_counter(current_bytes_, std::size_t{0} - bytes, alone);  // wraps: subtracts
-    if (alone) {
-      bias_.leave();
-    }
+    detail::counter_slot& slot = this_thread_slot();
+    slot.count_free(bytes);
+    count_in_use(slot, std::size_t{0} - bytes);  // two's complement: subtracts
     forward_deallocate(p, bytes, alignment, stream);
   }
 
-  [[gnu::noinline]] void raise_scopes(std::size_t current) {
+  /// Changes the bytes in use by `delta`, in `slot` and in the open scopes.
+  void count_in_use(detail::counter_slot& slot, std::size_t delta) noexcept {
+    if (!slot.shared) [[likely]] {
+      usage_.add(slot.usage, delta);
+    } else {
+      usage_.add_shared(slot.usage, delta);
+    }
+    if (any_scope_open_.load(std::memory_order_relaxed)) [[unlikely]] {
+      count_in_scopes(delta);
+    }
+  }
+
+  [[gnu::noinline]] void count_in_scopes(std::size_t delta) {
     const std::lock_guard lock(scopes_mutex_);
     for (scope* s : open_scopes_) {
-      s->highest_current_ = std::max(s->highest_current_, current);
+      s->change_ += delta;
+      if (detail::as_signed(s->change_) > detail::as_signed(s->highest_change_)) {
+        s->highest_change_ = s->change_;
+      }
     }
   }
 
@@ -264,6 +296,7 @@ class statistics_adaptor final : public detail::adaptor_base<statistics_adaptor>
     for (std::size_t i = 0; i < thread_slots; ++i) {
       std::thread::id free{};
       if (slots_[i].owner.compare_exchange_strong(free, me, std::memory_order_relaxed)) {
+        usage_.activate(slots_[i].usage);  // a new part of the bytes in use, once per slot
         return &slots_[i];
       }
     }
@@ -281,9 +314,7 @@ class statistics_adaptor final : public detail::adaptor_base<statistics_adaptor>
 
   const std::uint64_t id_;                         // see counter_slot_cache
   std::unique_ptr<detail::counter_slot[]> slots_;  // thread_slots own, then the shared one
-  detail::owner_bias bias_;  // who may update the two below without atomic instructions
-  std::atomic<std::size_t> current_bytes_{0};
-  std::atomic<std::size_t> peak_bytes_{0};
+  detail::bytes_in_use usage_;                     // the peak's shared side
 
   std::atomic<bool> any_scope_open_{false};
   mutable std::mutex scopes_mutex_;

@@ -9,6 +9,7 @@
 //   std::puts(tracked.leaks().to_text().c_str());
 //   cudamem::tracking_adaptor timed{pool, {.timestamps = true}};  // "..., 0.012 ms after the
 //                                                                  // adaptor was made" too
+//   std::size_t in_use = tracked.stats().used_bytes;               // exact, from any thread
 //   //   tracking_adaptor: 1 live allocation (4.00 KiB):
 //   //     4.00 KiB at 0x7f3a00000000 (alignment 256) allocated at main.cpp:13 in `int main()`,
 //   //       synchronous, thread 0x7f3b...
@@ -38,28 +39,44 @@
 //                                              tracked, so a correct free later still works,
 //                                              and it is reported as a leak if none comes).
 //   `bad_frees()` counts them.
-// - Thread-safe: the record is split into 16 shards by pointer, each with its own lock, so
-//   threads freeing different pointers rarely wait for each other; the upstream is called
-//   outside every lock. Sequence numbers follow the order of allocation within a thread.
+// - When this chain holds the memory a request failed for (verdict `exhausted`), its
+//   out-of-memory advice counts the live allocations and points at leaks().
+// - Thread-safe: the record is split into 16 shards, one per thread (threads are numbered as
+//   they first come; the 17th shares the first's), each with its own lock. A thread records
+//   what it allocates in its own shard and looks there first when it frees, so threads that
+//   free their own memory never touch each other's cache lines. A free from another thread
+//   finds the record in the shard it was made in (the shard where a free nearby last found
+//   one first, then every shard). The upstream is called outside every lock. Sequence numbers
+//   follow the order of allocation within a thread.
 // - One thread skips the locks: the first thread that uses the adaptor owns it, and takes no
 //   shard lock until another thread touches the record (a request, or leaks(), find(),
 //   live_count() from another thread). That thread waits, once, for the owner to finish the
-//   request it is in, and from then on every thread locks (detail/adaptors/owner_bias.hpp: a Linux
-//   membarrier call, microseconds, once per adaptor; elsewhere every thread always locks).
-//   `owned_by_one_thread()` says which it is. stats() and bad_frees() never take a lock.
-// - stats(): `used_bytes` and `peak_used_bytes` are exact, however threads race: one counter
-//   of bytes in use, updated with plain stores while one thread owns the adaptor and with an
-//   atomic add per request once threads share it.
+//   request it is in, and from then on every thread locks (detail/adaptors/owner_bias.hpp: a
+//   Linux membarrier call, microseconds, once per adaptor; elsewhere every thread always
+//   locks). `owned_by_one_thread()` says which it is. stats() and bad_frees() never take a
+//   lock.
+// - stats(): `used_bytes` is exact however threads race (each shard counts its part under its
+//   lock; stats() sums them). `peak_used_bytes` is exact while one thread allocates (one
+//   shard), and with `tracking_options::peak_slack = 0`; otherwise a bound: never below the
+//   most bytes that were live at once, never above it by more than `peak_error_bound()` =
+//   (2n - 1) x peak_slack, n being the shards that have held allocations (at most 16: 124 MiB
+//   with the default 4 MiB), and never above the sum of each shard's own most
+//   (detail/adaptors/bytes_in_use.hpp).
+// - An upstream that returns a pointer still live is reported when the same thread gets it
+//   (the record is in its shard); across threads the second record is kept beside the first.
 // - Cost (per request, on top of the upstream): for the owning thread no atomic instruction at
-//   all; once threads share the adaptor, one shard lock and one atomic add (bytes in use).
-//   One cache line of keys (16 bytes each: a thousand live allocations fit in L1) and one of
-//   records; the CPU's tick counter if timestamps are on (turned into time only for a
-//   report). Sequence numbers are counted per thread. No host memory is allocated per
-//   request: a shard's table grows by doubling, and that is all.
+//   all; once threads share the adaptor, the lock of the thread's own shard (one exchange on
+//   a line no other thread uses), and a free from another thread one more shard or, rarely,
+//   all of them. One cache line of keys (16 bytes each: a thousand live allocations fit in
+//   L1) and one of records; the CPU's tick counter if timestamps are on (turned into time
+//   only for a report). Sequence numbers are counted per thread. Bytes in use are published
+//   to the shared peak once a shard's have moved by peak_slack (one atomic add). No host
+//   memory is allocated per request: a shard's table grows by doubling, and that is all.
 #pragma once
 
 #include <cudamem/detail/adaptors/adaptor_base.hpp>
 #include <cudamem/detail/adaptors/allocation_table.hpp>
+#include <cudamem/detail/adaptors/bytes_in_use.hpp>
 #include <cudamem/detail/adaptors/owner_bias.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_report.hpp>
@@ -153,6 +170,10 @@ struct leak_report {
 /// How a tracking_adaptor records.
 struct tracking_options {
   bool timestamps = false;  ///< record when each allocation was made (costs a tick-counter read)
+  /// How far one shard's bytes in use may move before the shared peak hears of it, when
+  /// threads share the adaptor (see the contract). 0: an exact peak, at one atomic add on a
+  /// shared line per request.
+  std::size_t peak_slack = std::size_t{4} << 20;
 };
 
 class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
@@ -163,7 +184,7 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
       detail::allocation_shard::remembered_frees * detail::allocation_table::shard_count;
 
   explicit tracking_adaptor(memory_resource& upstream, tracking_options options = {})
-      : adaptor_base(upstream), timestamps_(options.timestamps) {}
+      : adaptor_base(upstream), timestamps_(options.timestamps), usage_(options.peak_slack) {}
 
   /// Reports every allocation still live through the error handler (see the contract).
   ~tracking_adaptor() override { report_leaks(); }
@@ -197,17 +218,19 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
 
   /// The record of one live allocation, if `p` is one.
   [[nodiscard]] std::optional<allocation_record> find(const void* p) const {
-    detail::allocation_shard& shard = table_.shard_for(p);
-    detail::tracked_allocation entry;
-    {
+    std::optional<detail::tracked_allocation> entry;
+    visit_shards_for(p, [&](detail::allocation_shard& shard) {
       const detail::biased_lock_guard guard(bias_, shard.mutex());
-      const detail::tracked_allocation* found = shard.find(p);
-      if (found == nullptr) {
-        return std::nullopt;
+      if (const detail::tracked_allocation* found = shard.find(p)) {
+        entry = *found;
+        return true;
       }
-      entry = *found;
+      return false;
+    });
+    if (!entry) {
+      return std::nullopt;
     }
-    return to_record(entry, clock_.nanoseconds_per_tick());
+    return to_record(*entry, clock_.nanoseconds_per_tick());
   }
 
   /// How many allocations are live.
@@ -224,6 +247,12 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
   /// True while one thread has used this adaptor's record and skips its locks (see the
   /// contract); false once a second thread has, or where the system cannot support it.
   [[nodiscard]] bool owned_by_one_thread() const noexcept { return bias_.owned(); }
+
+  /// The most stats().peak_used_bytes may be above the true peak now (see the contract): 0
+  /// while one shard has held allocations, or with peak_slack 0.
+  [[nodiscard]] std::size_t peak_error_bound() const noexcept {
+    return usage_.peak_error_bound();
+  }
 
   /// How many bad frees (stray pointer, double free, size mismatch) have been reported.
   [[nodiscard]] std::size_t bad_frees() const noexcept {
@@ -258,11 +287,11 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
     const std::thread::id thread = std::this_thread::get_id();
     const std::uint64_t ticks = timestamps_ ? detail::read_ticks() : 0;
     const std::uint64_t sequence = detail::next_allocation_sequence();
-    const auto alignment_log2 = static_cast<std::uint8_t>(std::countr_zero(alignment));
+    const std::uint8_t alignment_log2 = detail::log2_of_power_of_two(alignment);
 
     std::unique_ptr<detail::tracked_allocation> displaced;  // an upstream bug's evidence
     bool was_live = false;
-    detail::allocation_shard& shard = table_.shard_for(p);
+    detail::allocation_shard& shard = table_.home_shard();
     try {
       const detail::biased_lock_guard guard(bias_, shard.mutex());
       detail::tracked_allocation& entry = shard.add(p, bytes, alignment_log2, was_live);
@@ -279,10 +308,11 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
       entry.ticks = ticks;
       entry.sequence = sequence;
       entry.synchronous = !stream;
-      // Bytes in use: written with plain stores while this thread owns the adaptor, with an
-      // atomic add once threads share it (guard.owner() says which).
-      const std::size_t used = detail::add_to_counter(used_bytes_, added, guard.owner());
-      detail::raise_peak(peak_used_bytes_, used, guard.owner());
+      // Bytes in use: this shard's part, written under its lock (or by the owning thread).
+      if (!shard.usage.active()) [[unlikely]] {
+        usage_.activate(shard.usage);
+      }
+      usage_.add(shard.usage, added);
     } catch (...) {  // no host memory to grow the record: give the memory back, not lose it
       forward_deallocate(p, bytes, alignment, stream);
       throw;
@@ -319,23 +349,90 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
     }
   }
 
-  void adapt_deallocate(void* p, std::size_t bytes, std::size_t alignment,
-                        detail::request_stream stream) noexcept {
+  // Inlined into both forms of deallocate: the common case is a few dozen instructions.
+  [[gnu::always_inline]] void adapt_deallocate(void* p, std::size_t bytes, std::size_t alignment,
+                                               detail::request_stream stream) noexcept {
     using detail::release_result;
+    // The common case: this thread frees what it allocated, recorded in its own shard.
+    detail::allocation_shard& home = table_.home_shard();
     release_result found;
-    detail::allocation_shard& shard = table_.shard_for(p);
     {
-      const detail::biased_lock_guard guard(bias_, shard.mutex());
-      found = shard.release(p, bytes, alignment);
+      const detail::biased_lock_guard guard(bias_, home.mutex());
+      found = home.release(p, bytes, alignment);
       if (found == release_result::freed) [[likely]] {
-        detail::add_to_counter(used_bytes_, std::size_t{0} - bytes, guard.owner());  // subtracts
+        usage_.add(home.usage, std::size_t{0} - bytes);  // two's complement: subtracts
       }
     }
     if (found == release_result::freed) [[likely]] {
       forward_deallocate(p, bytes, alignment, stream);
       return;
     }
-    report_bad_free(shard, p, bytes, alignment, found);
+    if (found == release_result::size_mismatch) {
+      report_bad_free(home, p, bytes, alignment, found);
+      return;
+    }
+    free_elsewhere(home, p, bytes, alignment, stream);
+  }
+
+  /// A free whose record is not in the calling thread's shard: another thread allocated it,
+  /// or it is a bad free. Looks in the other shards (the hinted one first), then in every
+  /// shard's recent frees.
+  [[gnu::noinline]] void free_elsewhere(detail::allocation_shard& home, void* p,
+                                        std::size_t bytes, std::size_t alignment,
+                                        detail::request_stream stream) noexcept {
+    using detail::release_result;
+    release_result found = release_result::unknown;
+    detail::allocation_shard* where = nullptr;
+    visit_shards_for(p, [&](detail::allocation_shard& shard) {
+      if (&shard == &home) {
+        return false;  // looked there already
+      }
+      const detail::biased_lock_guard guard(bias_, shard.mutex());
+      found = shard.release(p, bytes, alignment);
+      if (found == release_result::freed) {
+        usage_.add(shard.usage, std::size_t{0} - bytes);
+      }
+      where = &shard;
+      return found != release_result::unknown;
+    });
+    if (found == release_result::freed) {
+      table_.set_hint(p, table_.index_of(*where));
+      forward_deallocate(p, bytes, alignment, stream);
+      return;
+    }
+    if (found == release_result::unknown) {  // live nowhere: freed twice, or never ours
+      where = &home;
+      for (std::size_t i = 0; i < detail::allocation_table::shard_count; ++i) {
+        detail::allocation_shard& shard = table_.shard(i);
+        const detail::biased_lock_guard guard(bias_, shard.mutex());
+        if (shard.find_recent_free(p) != nullptr) {
+          found = release_result::double_free;
+          where = &shard;
+          break;
+        }
+      }
+    }
+    report_bad_free(*where, p, bytes, alignment, found);
+  }
+
+  /// Calls `look(shard)` for the shard hinted for `p`, the calling thread's own, then every
+  /// other shard, until it returns true.
+  template <class Look>
+  void visit_shards_for(const void* p, Look&& look) const {
+    const std::size_t home = table_.index_of(table_.home_shard());
+    const std::size_t hinted = table_.hinted_shard(p);
+    if (hinted < detail::allocation_table::shard_count && hinted != home &&
+        look(table_.shard(hinted))) {
+      return;
+    }
+    if (look(table_.shard(home))) {
+      return;
+    }
+    for (std::size_t i = 0; i < detail::allocation_table::shard_count; ++i) {
+      if (i != home && i != hinted && look(table_.shard(i))) {
+        return;
+      }
+    }
   }
 
   /// Reports a free that was not forwarded, with the record it concerns. The record is looked
@@ -414,24 +511,45 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
   }
 
   std::string_view do_name() const noexcept override { return "tracking_adaptor"; }
+  std::string do_oom_hint(const memory_report& report, std::size_t position) const override {
+    if (report.verdict != oom_verdict::exhausted) {
+      return {};
+    }
+    const std::size_t live = live_count();
+    if (live == 0) {
+      return {};
+    }
+    return "This process holds the memory through this chain: the tracking_adaptor has " +
+           std::to_string(live) + " live allocation" + (live == 1 ? "" : "s") + " (" +
+           format_bytes(report.chain[position].stats.used_bytes) +
+           "); leaks() lists them, oldest first, each with the line that made it: free those "
+           "no longer needed, or lower the working set.";
+  }
   resource_stats do_stats() const override {
+    std::size_t used = 0;
+    std::size_t sum_of_most = 0;
+    for (std::size_t i = 0; i < detail::allocation_table::shard_count; ++i) {
+      const detail::usage_part& part = table_.shard(i).usage;
+      used += part.balance();  // two's complement: a shard that freed others' subtracts
+      sum_of_most += part.most();
+    }
     resource_stats s;
-    s.reserved_bytes = s.used_bytes = used_bytes_.load(std::memory_order_relaxed);
-    s.peak_used_bytes = peak_used_bytes_.load(std::memory_order_relaxed);
+    s.reserved_bytes = s.used_bytes = used;
+    // (Read while requests are in flight, the sum may have moved past the peak's last update.)
+    s.peak_used_bytes = std::max(usage_.peak(sum_of_most), used);
     return s;
   }
 
-  // Speed: the record is sharded by pointer (detail::allocation_table), so an allocate or a
-  // free takes one shard's lock (unless its thread owns the adaptor: owner_bias) and touches
-  // one line of keys and one of records; no host memory is allocated per request (a shard's
-  // table only grows, by doubling). The timestamp is the CPU's tick counter, not a clock call.
+  // Speed: the record is sharded by thread (detail::allocation_table), so an allocate or a
+  // free takes the lock of the thread's own shard (unless its thread owns the adaptor:
+  // owner_bias) and touches one line of keys, one of records and the shard's part of the
+  // bytes in use; no host memory is allocated per request (a shard's table only grows, by
+  // doubling). The timestamp is the CPU's tick counter, not a clock call.
   bool timestamps_;
   mutable detail::owner_bias bias_;  // the thread that uses this adaptor alone skips the locks
   detail::tick_calibration clock_;  // construction time, in both clocks
   detail::allocation_table table_;   // the live allocations and the recent frees
-  // Bytes in use and their peak: one writer while a thread owns the adaptor, then atomic adds.
-  alignas(64) std::atomic<std::size_t> used_bytes_{0};
-  std::atomic<std::size_t> peak_used_bytes_{0};
+  detail::bytes_in_use usage_;       // the peak's shared side (the parts are in the shards)
   mutable std::atomic<std::size_t> bad_frees_{0};  // rare: a bad free
 };
 

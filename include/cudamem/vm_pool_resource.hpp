@@ -38,11 +38,14 @@
 // - `release()` returns the pool's wholly free chunks and then every wholly free handle to the
 //   driver; returns the physical bytes given back.
 // - Failure throws `out_of_memory` once the pool has given back what it could and the
-//   upstream has recycled and grown as far as it can; its report names both.
+//   upstream has recycled and grown as far as it can; its report names both, and its hint
+//   (for fragmentation: what release() and the options can and cannot do; over
+//   physical_limit: that limit) is this resource's own.
 #pragma once
 
 #include <cudamem/detail/vm/driver_mapping.hpp>
 #include <cudamem/device.hpp>
+#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 #include <cudamem/pool_resource.hpp>
@@ -52,6 +55,7 @@
 #include <memory>
 #include <optional>
 #include <source_location>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -163,6 +167,31 @@ class vm_pool_resource final : public memory_resource {
   resource_stats do_stats() const override { return pool_.stats(); }
   memory_resource* do_upstream() const noexcept override {
     return const_cast<vm_resource*>(&vm_);  // the chain a report walks: this, then the upstream
+  }
+  // Advice on its own failures (memory_report asks): what release() and the options can do.
+  std::string do_oom_hint(const memory_report& report, std::size_t /*position*/) const override {
+    const vm_pool_stats s = vm_stats();
+    const resource_stats& vm = report.chain.back().stats;  // the upstream vm_resource
+    if (report.verdict == oom_verdict::budget && vm.budget &&
+        vm.used_bytes + report.requested_bytes > *vm.budget) {
+      return "This vm_pool_resource may map at most " + format_bytes(*vm.budget) +
+             " (vm_pool_options::" +
+             "physical_limit) and has " + format_bytes(s.mapped_bytes) + " mapped: raise "
+             "physical_limit, or free blocks before this request.";
+    }
+    if (report.verdict != oom_verdict::fragmentation) {
+      return {};
+    }
+    return "This vm_pool_resource has " + format_bytes(s.pool_free_bytes) + " free in its " +
+           std::to_string(s.pool_chunks) + " chunks, in blocks of at most " +
+           format_bytes(s.pool_largest_free_block) + ": before failing it gave its wholly free "
+           "chunks back and recycled their handles into one range, so what stays free shares "
+           "chunks with blocks in use (" + format_bytes(s.stranded_bytes) + " in " +
+           format_bytes(s.handle_bytes) + " handles shared with live blocks). release() "
+           "returns wholly free handles to the driver, for other processes and resources; it "
+           "cannot move live blocks. Smaller handles and chunks pin less beside a live block "
+           "(vm_pool_options::handle_bytes, pool.small_chunk_size, pool.growth_step); or free "
+           "long-lived blocks, or allocate the largest buffers first.";
   }
 
   vm_resource vm_;

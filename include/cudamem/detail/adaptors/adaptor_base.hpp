@@ -46,14 +46,14 @@ class adaptor_base : public memory_resource {
   /// Asks the upstream in the form the request arrived in. An `out_of_memory` from below is
   /// rethrown with a report that starts at this adaptor, so the outermost adaptor's report
   /// shows the whole chain (budgets included); the upstream's verdict and cause are kept,
-  /// since the resource that failed knew best why.
+  /// since the resource that failed knew best why, and so is which one failed first.
   void* forward_allocate(std::size_t bytes, std::size_t alignment, request_stream stream) {
     try {
       // The request was checked (and its call site recorded) when it entered this adaptor.
       return stream ? allocate_checked(*upstream_, bytes, alignment, *stream)
                     : allocate_checked(*upstream_, bytes, alignment);
     } catch (const out_of_memory& below) {
-      throw_out_of_memory(*this, bytes, alignment, below.report().cause, below.report().verdict);
+      rethrow_out_of_memory(*this, bytes, alignment, below.report());
     }
   }
 

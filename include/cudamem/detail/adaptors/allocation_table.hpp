@@ -1,17 +1,26 @@
-// cudamem/detail/adaptors/allocation_table.hpp — the tracking adaptor's record of live allocations:
-// a table from pointer to a 64-byte record, split into lock-striped shards so that threads
-// freeing different pointers rarely meet, and each shard an open-addressing hash table whose
-// probed keys are 16 bytes, so that a lookup touches one line of keys and no node is
-// allocated per entry.
+// cudamem/detail/adaptors/allocation_table.hpp — the tracking adaptor's record of live
+// allocations: a table from pointer to a 64-byte record, split into lock-striped shards, one
+// per thread (up to 16), so that threads that allocate and free their own memory never touch
+// each other's cache lines; each shard an open-addressing hash table whose probed keys are 16
+// bytes, so that a lookup touches one line of keys and no node is allocated per entry.
 //
-//   detail::allocation_shard& shard = table.shard_for(p);
+//   detail::allocation_shard& shard = table.home_shard();   // this thread's
 //   const std::lock_guard lock(shard.mutex());   // (the adaptor: a biased_lock_guard)
 //   tracked_allocation& r = shard.add(p, bytes, alignment_log2, was_live);  // fill in the rest
-//   shard.release(p, bytes, alignment)        // freed / size_mismatch / double_free...
+//   shard.release(p, bytes, alignment)        // freed / size_mismatch / unknown (not here)
 //
 // What is in here, and why each is shaped the way it is:
+// - A thread records its allocations in its *home* shard (threads are numbered as they first
+//   come, thread n gets shard n mod 16), and a free looks there first: the common case, a
+//   thread freeing what it allocated, touches one shard, its own. A free from another thread
+//   misses there and looks in the shard a hint names (the shard where the last such free in
+//   the same 2 MiB of address space found its record, `region_hints`), then in every shard.
+//   A record stays in the shard it was made in until freed, so its frees are remembered (the
+//   ring below) where its record was.
 // - Each shard's lock is a `spin_lock` (detail/spin_lock.hpp): it is held for a few dozen
 //   instructions, so one exchange to take it and a store to drop it beat a std::mutex.
+// - Each shard keeps its part of the bytes in use (`usage`, detail/adaptors/bytes_in_use.hpp),
+//   written under its lock: summed when read.
 // - `read_ticks()`: a timestamp as cheap as the CPU allows (the x86 time-stamp counter, the
 //   ARM virtual counter; steady_clock elsewhere). Ticks become nanoseconds only when a report
 //   is written (`tick_calibration`), so the hot path never pays for a clock call.
@@ -20,17 +29,19 @@
 //   backward shift (no tombstones, so a table that sees millions of allocate/free pairs never
 //   degrades). Its keys (pointer, bytes) and its records sit in two arrays side by side (see
 //   the class); and a ring of copies of the shard's last frees tells a double free from a
-//   stray pointer. A pointer always maps to the same shard, so its frees are remembered
-//   exactly where a second free will look. The arrays grow by doubling, the only host
-//   allocation (amortised, never per request).
+//   stray pointer. The arrays grow by doubling, the only host allocation (amortised, never
+//   per request).
 // - `next_allocation_sequence()`: a per-thread counter, for ordering records without a
 //   global atomic (order is exact within a thread; see tracked_allocation::sequence).
 #pragma once
 
+#include <cudamem/detail/adaptors/bytes_in_use.hpp>
+#include <cudamem/detail/adaptors/owner_bias.hpp>  // this_thread_token
 #include <cudamem/detail/spin_lock.hpp>
 #include <cudamem/stream.hpp>
 
 #include <array>
+#include <bit>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -120,18 +131,29 @@ struct alignas(64) tracked_allocation {
 static_assert(std::is_trivially_copyable_v<tracked_allocation>);
 static_assert(sizeof(tracked_allocation) == 64);
 
-/// Where `p` goes: the top bits of a multiplicative hash choose the shard, the next bits the
-/// slot. (Allocations are aligned, so the pointer's own low bits carry nothing.)
+/// log2 of `alignment`, a power of two (checked where the request entered the chain): one
+/// instruction, without the zero test std::countr_zero must make.
+[[nodiscard]] inline std::uint8_t log2_of_power_of_two(std::size_t alignment) noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+  return static_cast<std::uint8_t>(__builtin_ctzll(alignment));
+#else
+  return static_cast<std::uint8_t>(std::countr_zero(alignment));
+#endif
+}
+
+/// Where `p` goes in a shard's table: the top bits of a multiplicative hash choose the slot.
+/// (Allocations are aligned, so the pointer's own low bits carry nothing.)
 inline std::uint64_t hash_pointer(const void* p) noexcept {
   return static_cast<std::uint64_t>(reinterpret_cast<std::uintptr_t>(p)) * 0x9E3779B97F4A7C15ull;
 }
 
-/// What `allocation_shard::release` found.
+/// What a free found.
 enum class release_result {
   freed,          ///< live, bytes and alignment matched: removed
   size_mismatch,  ///< live, but allocated with other bytes or alignment: left live
-  double_free,    ///< among the shard's recent frees
-  unknown,        ///< never seen (or freed long ago)
+  double_free,    ///< live nowhere, among a shard's recent frees
+  unknown,        ///< not live (in this shard; in none, for the adaptor); never seen, or
+                  ///< freed long ago
 };
 
 /// One lock stripe of the table. Every member but the lock is guarded by the lock.
@@ -188,15 +210,16 @@ class alignas(64) allocation_shard {
     return records_[i];
   }
 
-  /// Frees `p` from the record if it is live with these bytes and alignment; otherwise says
-  /// why not (and find / find_recent_free give the record concerned).
-  release_result release(const void* p, std::size_t bytes, std::size_t alignment) noexcept {
+  /// Frees `p` from this shard's record if it is live here with these bytes and alignment;
+  /// otherwise says why not: size_mismatch (find gives the record), or unknown (not live
+  /// here: another shard may have it, or find_recent_free may know it).
+  [[gnu::always_inline]] release_result release(const void* p, std::size_t bytes,
+                                                std::size_t alignment) noexcept {
     const std::size_t home = home_of(p);
     prefetch_record(home);
     const std::size_t i = slot_of(p, home);
     if (i == no_slot) [[unlikely]] {
-      return find_recent_free(p) != nullptr ? release_result::double_free
-                                            : release_result::unknown;
+      return release_result::unknown;
     }
     // (An alignment that is not a power of two equals no record's.)
     if (keys_[i].bytes != bytes || records_[i].alignment() != alignment) [[unlikely]] {
@@ -222,6 +245,9 @@ class alignas(64) allocation_shard {
     return nullptr;
   }
 
+  /// This shard's part of the bytes in use (guarded by the lock, like everything here).
+  usage_part usage;
+
   /// Calls `visit(record)` for every live allocation.
   template <class Visit>
   void for_each(Visit&& visit) const {
@@ -243,7 +269,7 @@ class alignas(64) allocation_shard {
   static_assert(sizeof(live_key) == 16);
 
   [[nodiscard]] std::size_t home_of(const void* p) const noexcept {
-    return static_cast<std::size_t>(hash_pointer(p) >> (64 - shard_bits - table_bits_)) & mask_;
+    return static_cast<std::size_t>(hash_pointer(p) >> (64 - table_bits_));
   }
 
   /// Starts loading the record in slot `i` (where an entry usually is: at its home) while the
@@ -320,21 +346,50 @@ class alignas(64) allocation_shard {
   std::array<tracked_allocation, remembered_frees> recent_frees_{};  // a ring, oldest overwritten
 };
 
-/// The shards together. 16 stripes: enough that a handful of threads rarely wait on each
-/// other, few enough that a leak report (which visits them all) stays cheap.
+/// The shards together. 16: a shard per thread for up to 16 threads (more share), few enough
+/// that a leak report (which visits them all) stays cheap.
 class allocation_table {
  public:
   static constexpr std::size_t shard_count = std::size_t{1} << allocation_shard::shard_bits;
 
-  allocation_table() : shards_(std::make_unique<allocation_shard[]>(shard_count)) {}
+  allocation_table()
+      : shards_(std::make_unique<allocation_shard[]>(shard_count)),
+        region_hints_(std::make_unique<std::atomic<std::uint8_t>[]>(hint_count)) {}
 
-  [[nodiscard]] allocation_shard& shard_for(const void* p) const noexcept {
-    return shards_[hash_pointer(p) >> (64 - allocation_shard::shard_bits)];
+  /// The calling thread's shard: where it records what it allocates.
+  [[nodiscard]] allocation_shard& home_shard() const noexcept {
+    return shards_[this_thread_token() & (shard_count - 1)];
   }
   [[nodiscard]] allocation_shard& shard(std::size_t i) const noexcept { return shards_[i]; }
+  [[nodiscard]] std::size_t index_of(const allocation_shard& s) const noexcept {
+    return static_cast<std::size_t>(&s - shards_.get());
+  }
+
+  /// The shard where a record near `p` (in the same 2 MiB) was last found by a free from
+  /// another thread, or shard_count if none was. A hint only: the caller checks.
+  [[nodiscard]] std::size_t hinted_shard(const void* p) const noexcept {
+    const std::uint8_t hint = region_hints_[region_of(p)].load(std::memory_order_relaxed);
+    return hint == 0 ? shard_count : std::size_t{hint} - 1;
+  }
+  /// Remembers that the record of `p` was in shard `i` (see hinted_shard). Written only when
+  /// it changes, so that hints read by many threads stay in their caches.
+  void set_hint(const void* p, std::size_t i) const noexcept {
+    std::atomic<std::uint8_t>& hint = region_hints_[region_of(p)];
+    const auto value = static_cast<std::uint8_t>(i + 1);
+    if (hint.load(std::memory_order_relaxed) != value) {
+      hint.store(value, std::memory_order_relaxed);
+    }
+  }
 
  private:
+  static constexpr std::size_t hint_count = 4096;  // 2 MiB regions: 8 GiB, then they repeat
+
+  static std::size_t region_of(const void* p) noexcept {
+    return (reinterpret_cast<std::uintptr_t>(p) >> 21) & (hint_count - 1);
+  }
+
   std::unique_ptr<allocation_shard[]> shards_;  // on the heap: 16 x (lock + 4 KiB ring)
+  std::unique_ptr<std::atomic<std::uint8_t>[]> region_hints_;  // shard + 1; 0: no hint
 };
 
 }  // namespace cudamem::detail

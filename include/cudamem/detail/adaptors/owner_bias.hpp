@@ -108,6 +108,9 @@ class owner_bias {
       }
       busy_.store(false, std::memory_order_release);  // revoked meanwhile: lock after all
     }
+    if (revoked_.load(std::memory_order_acquire)) [[likely]] {  // threads share it: lock
+      return false;
+    }
     return enter_slow(me);
   }
 
