@@ -13,7 +13,9 @@
 // last column says "ok" or "MISSED" on those two rows.
 // The stacks: pool; statistics, limiting, tracking, tracking with timestamps (the option that
 // reads the CPU's tick counter per allocation), logging (to a stream that discards: the cost
-// of formatting and locking, not of a disk), retry — each alone over the pool; and the chain
+// of formatting and locking, not of a disk), retry, nvtx (nvtx_adaptor with no tool attached:
+// its ranges and counter are skipped, its count of bytes in use is kept) — each alone over
+// the pool; and the chain
 // tracking -> statistics -> limiting -> pool.
 // Then the multi-thread trace (mt16: 16 threads, each its own trace, over one pool with a shard
 // per hardware thread, CPU only): wall time per operation over all threads, for the pool alone,
@@ -25,6 +27,7 @@
 #include <cudamem/device_resource.hpp>
 #include <cudamem/limiting_adaptor.hpp>
 #include <cudamem/logging_adaptor.hpp>
+#include <cudamem/nvtx_adaptor.hpp>
 #include <cudamem/pool_resource.hpp>
 #include <cudamem/retry_adaptor.hpp>
 #include <cudamem/simulated_resource.hpp>
@@ -114,6 +117,7 @@ void measure(const char* title, memory_resource& pool, std::optional<cudamem::st
          return std::make_unique<cudamem::retry_adaptor>(
              pool, [](const cudamem::out_of_memory&) { return false; });
        }},
+      {"nvtx", [&] { return std::make_unique<cudamem::nvtx_adaptor>(pool, "bench"); }},
       {"chain t>s>l>pool",
        [&]() -> std::unique_ptr<memory_resource> {
          keep.push_back(std::make_unique<cudamem::limiting_adaptor>(pool, std::size_t{1} << 50));

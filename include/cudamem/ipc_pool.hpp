@@ -41,7 +41,10 @@
 //   `ipc_pool_export`.
 // - `export_pointer(p)` returns an `ipc_pointer` (trivially copyable, any channel) for `p`, the
 //   start of an allocation this resource made and has not freed; anything else throws
-//   `std::invalid_argument` (a pointer the exporter never gave), before CUDA is asked.
+//   `std::invalid_argument` (a pointer the exporter never gave), before CUDA is asked. The
+//   allocation must have happened: synchronise the stream it was made on first (as above);
+//   cudaMemPoolExportPointer refuses a stream-ordered allocation still pending with
+//   cudaErrorInvalidValue, which export_pointer throws as `cuda_error`.
 // - The memory stays valid in the exporter until it frees it, whatever the importer does or
 //   whether it is still alive. CUDA's rule: every importer must have freed (unmapped) its
 //   import before the exporter frees the allocation: wait for the importer to say so, or to be
