@@ -22,8 +22,9 @@
 //   counter `<name>: bytes in use` (the bytes allocated through this adaptor and not yet
 //   freed, exact whatever the threads). A failed allocation ends its range and changes no
 //   count.
-// - With no tool attached NVTX's calls return at once: the adaptor costs a few nanoseconds
-//   per request (bench_adaptors, row "nvtx"). With CUDAMEM_NVTX=0 it only forwards.
+// - With no tool attached no NVTX function is called; the adaptor still keeps its exact count
+//   of bytes in use, one atomic add per request: +16 to +18 ns per operation over a pool on an
+//   H100 host (bench_adaptors, row "nvtx"). With CUDAMEM_NVTX=0 it only forwards and counts.
 // - Thread-safe when the upstream is. The name is copied.
 #pragma once
 
