@@ -291,15 +291,84 @@ TEST_CASE("vm_resource: destruction unmaps, releases and frees everything, even 
   CHECK_THAT(errors.messages()[0], Catch::Contains("still allocated"));
 }
 
-TEST_CASE("vm_resource: near the end of the device, smaller handles are made") {
+TEST_CASE("vm_resource: every handle is handle_bytes, near the end of the device and the limit too") {
+  // A free run of k handles then holds the same blocks wherever it lies and however often it
+  // was reused; a smaller handle in the middle of a run would change how many handles a block
+  // spans (what made a second run of a trace strand more than the first). The price: the
+  // device's last part-handle stays with the driver.
   sim_vm s{100 * MiB, handles_of(64 * MiB)};
   void* a = s.vm.allocate(64 * MiB);
-  void* b = s.vm.allocate(36 * MiB);  // 64 MiB will not fit: 32 + 4
-  CHECK(s.layer.physical_in_use() == 100 * MiB);
-  CHECK(s.layer.is_accessible(addr(b), 36 * MiB));
+  CHECK_THROWS_AS(s.vm.allocate(36 * MiB), out_of_memory);  // 36 MiB left: not a handle
   CHECK_THROWS_AS(s.vm.allocate(2 * MiB), out_of_memory);
+  CHECK(s.layer.physical_in_use() == 64 * MiB);
   s.vm.deallocate(a, 64 * MiB);
-  s.vm.deallocate(b, 36 * MiB);
+  // A physical limit that is not a multiple of the handle is used in whole handles.
+  vm_resource_options limited = handles_of(32 * MiB);
+  limited.physical_limit = 100 * MiB;
+  sim_vm l{GiB, limited};
+  std::vector<void*> blocks;
+  for (;;) {
+    try {
+      blocks.push_back(l.vm.allocate(6 * MiB));
+    } catch (const out_of_memory&) {
+      break;
+    }
+  }
+  CHECK(blocks.size() == 16);  // 96 MiB: 16 blocks of 6 MiB
+  const vm_resource_stats st = l.vm.vm_stats();
+  CHECK(st.mapped_bytes == 96 * MiB);
+  CHECK(st.mapped_bytes == st.handles * st.handle_bytes);
+  for (void* p : blocks) {
+    l.vm.deallocate(p, 6 * MiB);
+  }
+  CHECK(s.layer.violations == 0);
+  CHECK(l.layer.violations == 0);
+}
+
+TEST_CASE("vm_resource: growth comes before recycling while the device has room") {
+  // A created handle is paid for once; a recycled one is moved (~34 us of driver time) at
+  // every shortfall. So while the device has room, what is missing is created; only once it
+  // is full are free handles moved.
+  sim_vm s{GiB, handles_of(32 * MiB)};
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) {
+    blocks.push_back(s.vm.allocate(32 * MiB));
+  }
+  for (int i = 0; i < 8; i += 2) {
+    s.vm.deallocate(blocks[static_cast<std::size_t>(i)], 32 * MiB);
+  }
+  const auto calls = s.layer.calls;
+  void* grown = s.vm.allocate(128 * MiB);  // four lone holes: none holds it
+  CHECK(s.layer.calls.create - calls.create == 4);
+  CHECK(s.layer.calls.map - calls.map == 4);
+  CHECK(s.vm.vm_stats().compactions == 0);
+  CHECK(s.vm.vm_stats().stale_aliases == 0);
+  // The holes are still where they were, and serve 32 MiB requests for nothing.
+  void* hole = s.vm.allocate(32 * MiB);
+  CHECK(hole == blocks[0]);
+  s.vm.deallocate(hole, 32 * MiB);
+  // Fill the rest of the device: now the next shortfall recycles, and only what it lacks.
+  std::vector<void*> fill;
+  for (int i = 0; i < 10; ++i) {
+    fill.push_back(s.vm.allocate(64 * MiB));
+  }
+  CHECK(s.layer.physical_in_use() == GiB);
+  CHECK(s.vm.vm_stats().compactions == 0);
+  const auto full = s.layer.calls;
+  void* moved = s.vm.allocate(64 * MiB);  // two of the four lone holes, side by side
+  CHECK(s.vm.vm_stats().compactions == 1);
+  CHECK(s.layer.calls.map - full.map == 2);
+  CHECK(s.layer.calls.create - full.create == 1);  // one create, refused: the device is full
+  CHECK(s.layer.is_accessible(addr(moved), 64 * MiB));
+  s.vm.deallocate(moved, 64 * MiB);
+  for (void* p : fill) {
+    s.vm.deallocate(p, 64 * MiB);
+  }
+  s.vm.deallocate(grown, 128 * MiB);
+  for (int i = 1; i < 8; i += 2) {
+    s.vm.deallocate(blocks[static_cast<std::size_t>(i)], 32 * MiB);
+  }
+  CHECK(s.vm.release() == GiB);
   CHECK(s.layer.violations == 0);
 }
 
@@ -387,12 +456,16 @@ TEST_CASE("vm_resource: a device that says full leaks nothing, and memory coming
   void* q = s.vm.allocate(MiB);
   CHECK(s.layer.is_accessible(addr(q), MiB));
   s.vm.deallocate(q, MiB);
-  // One refusal on a fresh resource: it falls back to smaller handles.
-  sim_vm fresh{GiB, handles_of(32 * MiB)};
+  // One refusal on a fresh resource: no smaller handles (see "every handle is handle_bytes");
+  // the next request probes the device once, for just what it needs.
+  sim_vm fresh{GiB, handles_of(32 * MiB, 256 * MiB)};
   fresh.layer.fail_next_creates(1);
+  CHECK_THROWS_AS(fresh.vm.allocate(MiB), out_of_memory);
+  CHECK(fresh.layer.calls.create == 1);
   void* p = fresh.vm.allocate(MiB);
-  CHECK(fresh.layer.physical_in_use() == 32 * MiB);
-  CHECK(fresh.vm.vm_stats().handles == 2);  // 2 x 16 MiB
+  CHECK(fresh.layer.calls.create == 2);
+  CHECK(fresh.layer.physical_in_use() == 32 * MiB);  // one handle, not a growth of 256 MiB
+  CHECK(fresh.vm.vm_stats().handles == 1);
   fresh.vm.deallocate(p, MiB);
   CHECK(s.layer.violations == 0);
   CHECK(fresh.layer.violations == 0);
