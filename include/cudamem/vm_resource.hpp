@@ -26,24 +26,26 @@
 // - detail/vm/free_ranges.hpp    freed ranges stay mapped and free, merge with neighbours, and
 //                                serve the next request that fits at no driver cost
 // - detail/vm/placement.hpp      which free range a block goes to (best fit), and where in it
-// - detail/vm/compactor.hpp      when nothing fits: recycle idle handles to the frontier (only
-//                                what the request lacks, smallest free runs first), then create
-//                                handles; giving memory back
+// - detail/vm/compactor.hpp      when nothing fits: create handles while the device has room;
+//                                then recycle idle handles to the frontier (only what the
+//                                request lacks, smallest free runs first); giving memory back
 // - detail/vm/mapping.hpp, driver_mapping.hpp  the device behind one interface (the driver's
 //                                cuMem* calls, or a simulated device for GPU-free tests)
 // What a move costs, measured (bench_vmm_driver): cuMemMap ~1 µs, and cuMemSetAccess ~23-40 µs
 // *per handle* in the range whatever its size: giving access is paid per handle, not per byte.
-// Hence 64 MiB handles, moving only what is missing, and stale aliases instead of cuMemUnmap
-// (17-31 µs, unsafe while a kernel may read) on the allocation path.
+// Hence 64 MiB handles, growth before recycling, moving only what is missing, and stale
+// aliases instead of cuMemUnmap (17-31 µs, unsafe while a kernel may read) on the allocation
+// path.
 //
 // Contract (memory_resource.hpp's, plus)
 // - Construction: `vm_resource(device, options)` throws `no_device_error` with no device,
 //   `std::out_of_range` for a device or peer that does not exist, `vm_not_supported_error` on a
 //   device without VMM (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 0),
 //   `std::invalid_argument` for bad options (a peer that cannot reach the device, the device
-//   itself as a peer, handle_bytes 0, reservations_before_sweep 0, a null layer). The second
-//   constructor takes any mapping layer (tests pass `detail::simulated_vm_mapping`: no GPU needed). Each vm_resource maps on its own
-//   device; `peers` get read-write access to everything it maps.
+//   itself as a peer, handle_bytes 0, a physical_limit below one handle,
+//   reservations_before_sweep 0, a null layer). The second constructor takes any mapping
+//   layer (tests pass `detail::simulated_vm_mapping`: no GPU needed). Each vm_resource maps on
+//   its own device; `peers` get read-write access to everything it maps.
 // - Blocks are granule multiples, whole handles from `handle_bytes` up (a request is rounded up;
 //   `vm_stats().partial_granule_bytes` is that waste), aligned to the granule, or to any larger
 //   power-of-two alignment asked for.
@@ -100,7 +102,8 @@ struct vm_resource_options {
   /// Size of each physical handle: the unit of growth and of recycling (rounded up to the
   /// granularity). Larger handles cost fewer driver calls per byte (giving access costs ~23 µs
   /// per handle); smaller ones strand less free memory next to live blocks, and a free hole
-  /// smaller than a handle cannot be recycled. Near the end of the device smaller ones are made.
+  /// smaller than a handle cannot be recycled. Every handle has this size, the last one too
+  /// (the device's last part-handle is left to the driver; see detail/vm/compactor.hpp).
   std::size_t handle_bytes = std::size_t{64} << 20;
   /// Least physical memory a growth creates (when the device has it): fewer, larger batches of
   /// driver calls. What is not needed yet stays mapped and free for the next request.
@@ -113,7 +116,8 @@ struct vm_resource_options {
   /// reservations of four times the device, is 4.4 TiB of address space for a 139 GiB device:
   /// far below the 128 TiB a process has, and enough that the bench's traces never sweep.
   std::size_t reservations_before_sweep = 8;
-  /// Most physical bytes it may hold; nullopt: as much as the device gives.
+  /// Most physical bytes it may hold, used in whole handles (at least one); nullopt: as much
+  /// as the device gives. Below the limit it grows before it recycles; at it, it recycles.
   std::optional<std::size_t> physical_limit;
   /// Other devices that get read-write access to its memory.
   std::vector<int> peers;
@@ -209,6 +213,15 @@ class vm_resource final : public memory_resource {
   }
 
   [[nodiscard]] std::size_t granularity() const noexcept { return config_.granule; }
+  /// The size of every physical handle: handle_bytes rounded up to the granularity.
+  [[nodiscard]] std::size_t handle_bytes() const noexcept { return config_.handle; }
+  /// The bytes asked for the range that starts at `p`, handed out and not yet freed; 0 when
+  /// there is none (vm_pool_resource checks a free before it counts it).
+  [[nodiscard]] std::size_t allocated_bytes(const void* p) const {
+    const std::lock_guard lock(mutex_);
+    const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
+    return it == live_.end() ? 0 : it->second.requested;
+  }
   [[nodiscard]] const vm_resource_options& options() const noexcept { return options_; }
   /// The mapping layer (tests inspect the simulated one).
   [[nodiscard]] detail::vm_mapping_layer& mapping_layer() const noexcept { return *layer_; }
@@ -292,15 +305,17 @@ class vm_resource final : public memory_resource {
   /// `stream` (null with sync: for everyone); nullptr when none fits.
   void* take_fit(const detail::vm_request& r, std::size_t requested, cudaStream_t stream,
                  bool sync) {
-    const auto fit = detail::best_fit(free_, handles_, r);
+    const auto fit = detail::best_fit(free_, handles_, r, sync);
     if (!fit) {
       return nullptr;
     }
-    const auto node = free_.find(fit->range);
+    auto node = free_.find(fit->range);
     if (!node->second.complete) {
       if (sync) {
-        layer_->wait_for_free(node->second.stream);
-        node->second.complete = true;  // the host waited: the remnants are idle too
+        const cudaStream_t freed_on = node->second.stream;
+        layer_->wait_for_free(freed_on);
+        free_.mark_complete(freed_on);  // the host waited: all freed on it is idle, remnants too
+        node = free_.containing(fit->spot.start);  // it may have merged with its neighbours
       } else if (node->second.stream != stream) {
         layer_->order_after_free(stream, node->second.stream);
       }

@@ -77,6 +77,11 @@ struct vm_config {
     vm_config c;
     c.granule = layer->granularity();
     c.handle = round_up(o.handle_bytes, c.granule);
+    if (o.physical_limit && *o.physical_limit < c.handle) {
+      throw std::invalid_argument(
+          "cudamem::vm_resource: physical_limit is smaller than one handle (" +
+          std::to_string(c.handle) + " bytes): it could never map anything");
+    }
     c.growth = o.growth_bytes;
     c.limit = o.physical_limit.value_or(~std::size_t{0});
     c.reservation =
@@ -416,6 +421,7 @@ class vm_compactor {
     }
     for (cudaStream_t s : pending) {
       layer_.wait_for_free(s);  // recycled memory must be idle wherever it is mapped next
+      free_.mark_complete(s);   // and so is everything else freed on s
     }
     return out;
   }

@@ -62,16 +62,25 @@ struct vm_fit {
   return vm_placement{start, start + r.size};
 }
 
-/// The best-fitting free range for the request, or nullopt when none holds it.
-[[nodiscard]] inline std::optional<vm_fit> best_fit(const free_range_index& free,
+/// The best-fitting free range for the request, or nullopt when none holds it. With
+/// `prefer_idle` (a synchronous request, which would wait on the host for a range's pending
+/// frees), the best-fitting idle range, and a pending one only when no idle one holds it.
+[[nodiscard]] inline std::optional<vm_fit> best_fit(free_range_index& free,
                                                    const handle_set& handles,
-                                                   const vm_request& r) {
+                                                   const vm_request& r,
+                                                   bool prefer_idle = false) {
+  std::optional<vm_fit> pending;
   for (auto it = free.smallest_from(r.needed); it != free.size_end(); ++it) {
     if (const auto spot = place(handles, it->second, it->second + it->first, r)) {
-      return vm_fit{it->second, *spot};
+      if (!prefer_idle || free.find(it->second)->second.complete) {
+        return vm_fit{it->second, *spot};
+      }
+      if (!pending) {
+        pending = vm_fit{it->second, *spot};
+      }
     }
   }
-  return std::nullopt;
+  return pending;
 }
 
 }  // namespace cudamem::detail
