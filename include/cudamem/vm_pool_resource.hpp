@@ -66,12 +66,15 @@
 #include <cudamem/pool_resource.hpp>
 #include <cudamem/vm_resource.hpp>
 
-#include <atomic>
+#include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <source_location>
 #include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -141,7 +144,10 @@ class vm_pool_resource final : public memory_resource {
   [[nodiscard]] vm_pool_stats vm_stats() const {
     vm_pool_stats s;
     static_cast<vm_resource_stats&>(s) = vm_.vm_stats();
-    s.large_used_bytes = large_used_.load(std::memory_order_relaxed);
+    {
+      const std::lock_guard lock(large_mutex_);
+      s.large_used_bytes = large_used_;
+    }
     const resource_stats p = pool_.stats();
     s.pool_used_bytes = p.used_bytes;
     s.pool_free_bytes = p.free_bytes();
@@ -183,16 +189,18 @@ class vm_pool_resource final : public memory_resource {
   void do_deallocate(void* p, std::size_t bytes, std::size_t alignment,
                      stream_view stream) noexcept override {
     if (bytes >= large_) {
-      count_large_out(p);
-      vm_.deallocate(p, bytes, alignment, stream);  // reports a bad free itself
+      if (forget_large(p)) {
+        vm_.deallocate(p, bytes, alignment, stream);
+      }
       return;
     }
     pool_.deallocate(p, bytes, alignment, stream);
   }
   void do_deallocate_sync(void* p, std::size_t bytes, std::size_t alignment) noexcept override {
     if (bytes >= large_) {
-      count_large_out(p);
-      vm_.deallocate(p, bytes, alignment);
+      if (forget_large(p)) {
+        vm_.deallocate(p, bytes, alignment);
+      }
       return;
     }
     pool_.deallocate(p, bytes, alignment);
@@ -218,29 +226,45 @@ class vm_pool_resource final : public memory_resource {
         throw_out_of_memory(*this, bytes, alignment, "upstream " + e.report().cause);
       }
     }
-    const std::size_t used = large_used_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
-    std::size_t peak = large_peak_.load(std::memory_order_relaxed);
-    while (peak < used && !large_peak_.compare_exchange_weak(peak, used, std::memory_order_relaxed)) {
+    try {
+      const std::lock_guard lock(large_mutex_);
+      large_blocks_.emplace(reinterpret_cast<std::uintptr_t>(p), bytes);
+      large_used_ += bytes;
+      large_peak_ = std::max(large_peak_, large_used_);
+    } catch (...) {  // no host memory to record it: give it back, nothing happened
+      vm_.deallocate(p, bytes, alignment);
+      throw;
     }
     return p;
   }
 
-  /// The large block at `p` is about to be freed: no longer counted (a bad free counts nothing).
-  void count_large_out(const void* p) noexcept {
+  /// The large block at `p` is being freed: true if it is one (forgotten now); else the free
+  /// is reported (the upstream's memory also holds the pool's chunks: never freed from here).
+  bool forget_large(const void* p) noexcept {
     try {
-      large_used_.fetch_sub(vm_.allocated_bytes(p), std::memory_order_relaxed);
-    } catch (...) {  // the mutex could not be locked: the count stays, the free goes on
+      const std::lock_guard lock(large_mutex_);
+      const auto it = large_blocks_.find(reinterpret_cast<std::uintptr_t>(p));
+      if (it != large_blocks_.end()) {
+        large_used_ -= it->second;
+        large_blocks_.erase(it);
+        return true;
+      }
+    } catch (...) {  // the mutex could not be locked: report below
     }
+    report_problem(
+        "vm_pool_resource: deallocate of a block of a handle or more that it did not allocate, "
+        "or already freed (or a size other than the one allocated); ignored");
+    return false;
   }
 
   bool do_is_equal(const memory_resource& other) const noexcept override { return this == &other; }
   std::string_view do_name() const noexcept override { return "vm_pool_resource"; }
   resource_stats do_stats() const override {
     resource_stats s = pool_.stats();
-    const std::size_t large = large_used_.load(std::memory_order_relaxed);
-    s.reserved_bytes += large;
-    s.used_bytes += large;
-    s.peak_used_bytes += large_peak_.load(std::memory_order_relaxed);
+    const std::lock_guard lock(large_mutex_);
+    s.reserved_bytes += large_used_;
+    s.used_bytes += large_used_;
+    s.peak_used_bytes += large_peak_;
     return s;
   }
   memory_resource* do_upstream() const noexcept override {
@@ -250,8 +274,10 @@ class vm_pool_resource final : public memory_resource {
   vm_resource vm_;
   pool_resource pool_;
   std::size_t large_;  ///< blocks of this many bytes or more are the upstream's (a handle)
-  std::atomic<std::size_t> large_used_{0};
-  std::atomic<std::size_t> large_peak_{0};
+  mutable std::mutex large_mutex_;  ///< guards the three below
+  std::unordered_map<std::uintptr_t, std::size_t> large_blocks_;  ///< address -> bytes asked
+  std::size_t large_used_ = 0;
+  std::size_t large_peak_ = 0;
 };
 
 }  // namespace cudamem

@@ -215,13 +215,6 @@ class vm_resource final : public memory_resource {
   [[nodiscard]] std::size_t granularity() const noexcept { return config_.granule; }
   /// The size of every physical handle: handle_bytes rounded up to the granularity.
   [[nodiscard]] std::size_t handle_bytes() const noexcept { return config_.handle; }
-  /// The bytes asked for the range that starts at `p`, handed out and not yet freed; 0 when
-  /// there is none (vm_pool_resource checks a free before it counts it).
-  [[nodiscard]] std::size_t allocated_bytes(const void* p) const {
-    const std::lock_guard lock(mutex_);
-    const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
-    return it == live_.end() ? 0 : it->second.requested;
-  }
   [[nodiscard]] const vm_resource_options& options() const noexcept { return options_; }
   /// The mapping layer (tests inspect the simulated one).
   [[nodiscard]] detail::vm_mapping_layer& mapping_layer() const noexcept { return *layer_; }

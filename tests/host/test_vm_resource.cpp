@@ -236,6 +236,66 @@ TEST_CASE("vm_resource: stream order across reuse and recycling; no unmap while 
   CHECK(s.layer.violations == 0);
 }
 
+TEST_CASE("vm_resource: once the host has waited for a stream, its free ranges merge") {
+  // Ranges freed on two streams, both pending, stay apart. A synchronous request that takes
+  // one waits for its stream on the host: everything freed on that stream is idle then, and
+  // merges with its neighbours, so a 96 MiB request on the other stream fits without a move.
+  sim_vm s{256 * MiB, handles_of(32 * MiB)};
+  const cudaStream_t a = fake_stream(1);
+  const cudaStream_t b = fake_stream(2);
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) {
+    blocks.push_back(s.vm.allocate(32 * MiB, 256, a));
+  }
+  s.vm.deallocate(blocks[0], 32 * MiB, 256, a);
+  s.vm.deallocate(blocks[1], 32 * MiB, 256, a);
+  s.vm.deallocate(blocks[2], 32 * MiB, 256, b);
+  s.vm.deallocate(blocks[3], 32 * MiB, 256, b);
+  CHECK(s.vm.vm_stats().largest_free_range == 64 * MiB);  // a's and b's apart
+  void* first = s.vm.allocate(32 * MiB);  // synchronous: waits for a
+  CHECK(first == blocks[0]);
+  CHECK(s.layer.calls.wait_for_free == 1);
+  CHECK(s.vm.vm_stats().largest_free_range == 96 * MiB);  // a's rest merged with b's
+  const auto calls = s.layer.calls;
+  void* big = s.vm.allocate(96 * MiB, 256, b);
+  CHECK(big == blocks[1]);
+  CHECK(s.layer.calls.map == calls.map);  // no move
+  CHECK(s.vm.vm_stats().compactions == 0);
+  s.vm.deallocate(big, 96 * MiB, 256, b);
+  s.vm.deallocate(first, 32 * MiB);
+  for (std::size_t i = 4; i < blocks.size(); ++i) {
+    s.vm.deallocate(blocks[i], 32 * MiB, 256, a);
+  }
+  CHECK(s.vm.release() == 256 * MiB);
+  CHECK(s.layer.unmaps_in_flight == 0);
+  CHECK(s.layer.violations == 0);
+}
+
+TEST_CASE("vm_resource: a synchronous request takes an idle range before a pending one") {
+  // A synchronous request (a pool's chunk) that takes a range freed on a stream must wait on
+  // the host for that stream; an idle range that holds it costs no wait.
+  sim_vm s{GiB, handles_of(32 * MiB)};
+  const cudaStream_t a = fake_stream(1);
+  void* pending = s.vm.allocate(32 * MiB, 256, a);
+  void* fence1 = s.vm.allocate(32 * MiB);
+  void* idle = s.vm.allocate(64 * MiB);
+  void* fence2 = s.vm.allocate(32 * MiB);
+  s.vm.deallocate(pending, 32 * MiB, 256, a);  // the best fit for 32 MiB, but pending on a
+  s.vm.deallocate(idle, 64 * MiB);             // larger, idle
+  const auto waits = s.layer.calls.wait_for_free;
+  void* p = s.vm.allocate(32 * MiB);
+  CHECK(p == idle);
+  CHECK(s.layer.calls.wait_for_free == waits);
+  void* q = s.vm.allocate(32 * MiB, 256, a);  // on a itself: the pending range, no wait
+  CHECK(q == pending);
+  CHECK(s.layer.calls.wait_for_free == waits);
+  s.vm.deallocate(q, 32 * MiB, 256, a);
+  s.vm.deallocate(p, 32 * MiB);
+  s.vm.deallocate(fence1, 32 * MiB);
+  s.vm.deallocate(fence2, 32 * MiB);
+  CHECK(s.layer.violations == 0);
+}
+
 TEST_CASE("vm_resource: release keeps what is in use and the handles it shares") {
   sim_vm s{GiB, handles_of(32 * MiB)};
   void* keep = s.vm.allocate(MiB);
@@ -422,6 +482,11 @@ TEST_CASE("vm_resource: bad input") {
   CHECK_THROWS_AS(vm_resource(std::unique_ptr<detail::vm_mapping_layer>{}), std::invalid_argument);
   CHECK_THROWS_AS(vm_resource(std::make_unique<simulated_vm_mapping>(), handles_of(0)),
                   std::invalid_argument);
+  vm_resource_options below_a_handle = handles_of(32 * MiB);
+  below_a_handle.physical_limit = 31 * MiB;  // could never map anything
+  CHECK_THROWS_AS(vm_resource(std::make_unique<simulated_vm_mapping>(), below_a_handle),
+                  std::invalid_argument);
+  CHECK(s.vm.handle_bytes() == 32 * MiB);
   // Large alignment is honoured, for small and whole-handle blocks.
   void* aligned = s.vm.allocate(100, 64 * MiB);
   CHECK(addr(aligned) % (64 * MiB) == 0);
