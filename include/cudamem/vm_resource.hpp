@@ -53,10 +53,12 @@
 //   the mapping layer, so streams may be destroyed after freeing). A range freed on s and
 //   taken by a request on t makes t wait for that event (cudaStreamWaitEvent, no host wait).
 //   Recycling a handle freed on a stream waits *on the host* for that stream's last free
-//   (cudaEventSynchronize): the cost of moving memory that work may still touch. The
-//   synchronous forms wait on the host; a synchronous free promises the memory is idle, so a
-//   pool over this resource (which frees synchronously, after its own stream bookkeeping) never
-//   makes it wait.
+//   (cudaEventSynchronize): the cost of moving memory that work may still touch. So does
+//   merging neighbours freed on different streams when no single free range holds a request
+//   (the host waits for their streams, all but the request's own): cheaper than a compaction,
+//   which would wait for them too. After a host wait for a stream, everything freed on it is
+//   idle and merges with its neighbours. The synchronous forms wait on the host, and take an
+//   idle range before one with frees pending; a synchronous free promises the memory is idle.
 // - Physical memory is never unmapped while work may touch it: release(), the destructor and
 //   the address-space sweep wait on the host for every recorded free first.
 // - `release()` unmaps stale aliases and gives every wholly free handle back to the driver;
@@ -284,6 +286,11 @@ class vm_resource final : public memory_resource {
     if (void* p = take_fit(r, bytes, stream, sync)) {
       return p;
     }
+    if (settle_run(r, stream, sync)) {
+      if (void* p = take_fit(r, bytes, stream, sync)) {
+        return p;
+      }
+    }
     std::string cause;
     if (compactor_.make_room(r.needed, r.whole, cause)) {
       if (void* p = take_fit(r, bytes, stream, sync)) {
@@ -320,6 +327,26 @@ class vm_resource final : public memory_resource {
     requested_bytes_ += requested;
     peak_used_bytes_ = std::max(peak_used_bytes_, used_bytes_);
     return reinterpret_cast<void*>(fit->spot.start);
+  }
+
+  /// No free range holds `r`, but adjacent ranges freed on different streams may together
+  /// (detail/vm/placement.hpp, best_run): the host waits for their streams, all but one (the
+  /// request's own, if it is one: stream order covers it), and they merge. True if it waited.
+  bool settle_run(const detail::vm_request& r, cudaStream_t stream, bool sync) {
+    const auto run = detail::best_run(free_, handles_, r);
+    if (!run) {
+      return false;
+    }
+    std::vector<cudaStream_t> pending = free_.pending_streams(run->start, run->end);
+    if (!sync && !pending.empty()) {
+      const auto own = std::find(pending.begin(), pending.end(), stream);
+      pending.erase(own != pending.end() ? own : pending.end() - 1);  // ordered on the device
+    }
+    for (const cudaStream_t s : pending) {
+      layer_->wait_for_free(s);
+      free_.mark_complete(s);
+    }
+    return !pending.empty();
   }
 
   void free_range_at(void* p, std::size_t bytes, cudaStream_t stream, bool sync) noexcept {

@@ -271,6 +271,38 @@ TEST_CASE("vm_resource: once the host has waited for a stream, its free ranges m
   CHECK(s.layer.violations == 0);
 }
 
+TEST_CASE("vm_resource: neighbours freed on two streams serve a request that needs both") {
+  // No single free range holds 128 MiB, but two neighbours freed on a and on b do: the host
+  // waits for a (not b: the request is on b, and stream order covers it), they merge, and
+  // nothing moves. A compaction would have waited for a and b, and moved four handles.
+  sim_vm s{256 * MiB, handles_of(32 * MiB)};
+  const cudaStream_t a = fake_stream(1);
+  const cudaStream_t b = fake_stream(2);
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) {
+    blocks.push_back(s.vm.allocate(32 * MiB, 256, a));
+  }
+  s.vm.deallocate(blocks[2], 32 * MiB, 256, a);
+  s.vm.deallocate(blocks[3], 32 * MiB, 256, a);
+  s.vm.deallocate(blocks[4], 32 * MiB, 256, b);
+  s.vm.deallocate(blocks[5], 32 * MiB, 256, b);
+  const auto calls = s.layer.calls;
+  void* big = s.vm.allocate(128 * MiB, 256, b);
+  CHECK(big == blocks[2]);
+  CHECK(s.layer.calls.map == calls.map);
+  CHECK(s.layer.calls.wait_for_free - calls.wait_for_free == 1);  // for a only
+  CHECK(s.layer.calls.order_after_free == calls.order_after_free);  // b's own frees
+  CHECK(s.vm.vm_stats().compactions == 0);
+  CHECK(s.layer.is_accessible(addr(big), 128 * MiB));
+  s.vm.deallocate(big, 128 * MiB, 256, b);
+  for (const int i : {0, 1, 6, 7}) {
+    s.vm.deallocate(blocks[static_cast<std::size_t>(i)], 32 * MiB, 256, a);
+  }
+  CHECK(s.vm.release() == 256 * MiB);
+  CHECK(s.layer.unmaps_in_flight == 0);
+  CHECK(s.layer.violations == 0);
+}
+
 TEST_CASE("vm_resource: a synchronous request takes an idle range before a pending one") {
   // A synchronous request (a pool's chunk) that takes a range freed on a stream must wait on
   // the host for that stream; an idle range that holds it costs no wait.

@@ -150,6 +150,20 @@ class free_range_index {
     settle([](const free_range&) { return true; });
   }
 
+  /// The streams whose frees in the ranges starting in [begin, end) are pending, each once.
+  [[nodiscard]] std::vector<cudaStream_t> pending_streams(std::uintptr_t begin,
+                                                          std::uintptr_t end) const {
+    std::vector<cudaStream_t> streams;
+    for (auto it = by_address_.lower_bound(begin); it != by_address_.end() && it->first < end;
+         ++it) {
+      if (!it->second.complete &&
+          std::find(streams.begin(), streams.end(), it->second.stream) == streams.end()) {
+        streams.push_back(it->second.stream);
+      }
+    }
+    return streams;
+  }
+
   /// The free range holding `address`, or end().
   [[nodiscard]] by_address::iterator containing(std::uintptr_t address) {
     auto it = by_address_.upper_bound(address);

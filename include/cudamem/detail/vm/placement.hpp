@@ -13,6 +13,9 @@
 //   recycled (the rest of its last handle is waste while it lives).
 // - Smaller blocks, and blocks with an alignment above the granule, go at granule precision
 //   at the start of the range, so best fit packs them into handles already shared.
+// - A synchronous request prefers an idle range (no host wait) to a pending one.
+// - When no range holds a block, the smallest run of adjacent ranges (freed on different
+//   streams) that does: waiting for those streams merges it (vm_resource does the waiting).
 #pragma once
 
 #include <cudamem/detail/vm/free_ranges.hpp>
@@ -81,6 +84,25 @@ struct vm_fit {
     }
   }
   return pending;
+}
+
+/// When no free range holds the request: the smallest run of address-adjacent free ranges that
+/// does, or nullopt. Such a run is ranges freed on different streams, kept apart while both are
+/// pending; once the host has waited for their streams they are one range. That is cheaper
+/// than a compaction, which would wait for the streams of the handles it moves, and move them.
+[[nodiscard]] inline std::optional<vm_placement> best_run(const free_range_index& free,
+                                                         const handle_set& handles,
+                                                         const vm_request& r) {
+  std::optional<vm_placement> best;
+  free.for_each_run([&](std::uintptr_t begin, std::uintptr_t end) {
+    if (end - begin < r.needed || (best && end - begin >= best->end - best->start)) {
+      return;
+    }
+    if (place(handles, begin, end, r)) {
+      best = vm_placement{begin, end};
+    }
+  });
+  return best;
 }
 
 }  // namespace cudamem::detail
