@@ -5,8 +5,10 @@
 //
 //   cudamem::vm_pool_resource pool{0};                   // device 0
 //   cudamem::stream s;
-//   void* a = pool.allocate(64 << 20, 256, s);           // pool-fast once memory is mapped
-//   pool.deallocate(a, 64 << 20, 256, s);
+//   void* a = pool.allocate(4 << 20, 256, s);            // from the pool: tens of ns
+//   void* b = pool.allocate(512 << 20, 256, s);          // whole handles from the upstream
+//   pool.deallocate(a, 4 << 20, 256, s);
+//   pool.deallocate(b, 512 << 20, 256, s);
 //   cudamem::vm_pool_stats st = pool.vm_stats();         // virtual, mapped, in use, waste
 //   pool.release();                                      // give wholly free memory back
 //
@@ -26,7 +28,9 @@
 //   the upstream only for chunks (64 MiB chunks, apart, for requests up to 4 MiB and for
 //   medium ones: see vm_pool_chunking()). Its front-end cache is off: a cache left full of
 //   freed small blocks hands the next run's first requests blocks from all over the small
-//   chunks, so long-lived blocks pin more chunks than a fresh pool would.
+//   chunks, so long-lived blocks pin more chunks than a fresh pool would. (The cache roughly
+//   halves the cost of a small block freed and taken again; `pool.cache_bytes` turns it on,
+//   at the price of that placement.)
 // - When the upstream cannot supply (the device is full), the pool gives back every chunk it
 //   holds wholly free and asks again; the upstream then recycles as many free handles as the
 //   request lacks into one contiguous range. So two free 64 MiB holes become a 128 MiB block
