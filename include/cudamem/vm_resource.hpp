@@ -286,13 +286,11 @@ class vm_resource final : public memory_resource {
     if (void* p = take_fit(r, bytes, stream, sync)) {
       return p;
     }
-    if (settle_run(r, stream, sync)) {
-      if (void* p = take_fit(r, bytes, stream, sync)) {
-        return p;
-      }
-    }
+    // Growth first; then neighbours freed on other streams, merged by a host wait; then a
+    // compaction (detail/vm/compactor.hpp).
     std::string cause;
-    if (compactor_.make_room(r.needed, r.whole, cause)) {
+    if (compactor_.make_room(r.needed, r.whole, cause,
+                             [&] { return settle_run(r, stream, sync); })) {
       if (void* p = take_fit(r, bytes, stream, sync)) {
         return p;
       }
@@ -329,9 +327,10 @@ class vm_resource final : public memory_resource {
     return reinterpret_cast<void*>(fit->spot.start);
   }
 
-  /// No free range holds `r`, but adjacent ranges freed on different streams may together
-  /// (detail/vm/placement.hpp, best_run): the host waits for their streams, all but one (the
-  /// request's own, if it is one: stream order covers it), and they merge. True if it waited.
+  /// No free range holds `r`, growth cannot give it, but adjacent ranges freed on different
+  /// streams may hold it together (detail/vm/placement.hpp, best_run): the host waits for
+  /// their streams, all but one (the request's own, if it is one: stream order covers it), and
+  /// they merge. True if they now hold it.
   bool settle_run(const detail::vm_request& r, cudaStream_t stream, bool sync) {
     const auto run = detail::best_run(free_, handles_, r);
     if (!run) {
@@ -346,7 +345,7 @@ class vm_resource final : public memory_resource {
       layer_->wait_for_free(s);
       free_.mark_complete(s);
     }
-    return !pending.empty();
+    return detail::best_fit(free_, handles_, r).has_value();
   }
 
   void free_range_at(void* p, std::size_t bytes, cudaStream_t stream, bool sync) noexcept {

@@ -1,10 +1,10 @@
 // cudamem/detail/vm/compactor.hpp — how vm_resource makes room when no free range fits:
-// recycling idle handles to the frontier (a compaction), creating new ones, and giving memory
+// creating handles, then recycling idle ones to the frontier (a compaction); and giving memory
 // back.
 //
 //   vm_compactor compactor{layer, config, free, handles, space};
 //   std::string cause;
-//   if (!compactor.make_room(needed, whole, cause)) { ... out of memory: cause says why ... }
+//   if (!compactor.make_room(needed, whole, cause, merge_neighbours)) { ... cause says why ... }
 //   compactor.release_idle();                   // release(): idle handles go to the driver
 //
 // What it owns: the choices that cost driver calls, and the call counts that show them.
@@ -18,7 +18,10 @@
 //   smaller handle inside a run would change how many handles a block spans: the reason a
 //   second run of a trace used to strand more than the first). `physical_limit` bounds the
 //   footprint: past it, recycling only.
-// - Then recycling, once growth cannot give what is missing, and only that. Handles that lie
+// - Then, once growth cannot give what is missing, neighbours freed on different streams that
+//   together hold the request are merged by a host wait (vm_resource decides which: the
+//   `merge_neighbours` callable), and nothing moves.
+// - Then recycling, and only what is missing. Handles that lie
 //   wholly in free memory are mapped again at the frontier, next to each other and to the
 //   free range already there, so they become one contiguous free range. Only as many as the
 //   request lacks are moved, from the smallest free runs first: a large free run serves later
@@ -122,10 +125,15 @@ class vm_compactor {
   }
 
   /// Makes a free range of at least `needed` bytes at the frontier (`whole`: for a block of
-  /// whole handles, which starts at a handle's start): recycles idle handles, then creates
-  /// what is still missing. False (with `cause`, nothing changed) when even that is not
-  /// enough. Throws what the layer throws (nothing changed then either).
-  bool make_room(std::size_t needed, bool whole, std::string& cause) {
+  /// whole handles, which starts at a handle's start): creates handles while the device has
+  /// room; when that falls short, first calls `merge_neighbours()` (vm_resource: adjacent
+  /// ranges freed on different streams, merged by a host wait; true if they now hold the
+  /// request, and then nothing is recycled), then recycles idle handles. False (with `cause`,
+  /// nothing changed) when even that is not enough. Throws what the layer throws (nothing
+  /// changed then either).
+  template <class MergeNeighbours>
+  bool make_room(std::size_t needed, bool whole, std::string& cause,
+                 MergeNeighbours&& merge_neighbours) {
     const auto usable_at_frontier = [&] {
       const auto tail = free_.ending_at(space_.frontier());
       if (tail == free_.end()) {
@@ -158,11 +166,8 @@ class vm_compactor {
     }
     const std::size_t missing =
         vm_config::round_up(needed > have ? needed - have : 1, config_.granule);
-    // Growth first while the device has room: a handle is created once, but a recycled one
-    // is moved again and again (each move costs the driver ~34 us: a map and its share of
-    // cuMemSetAccess), and a free run that stays where it is serves later requests for
-    // nothing. Once the device has said "full", recycling first, and a probe of the device
-    // only for what recycling cannot give.
+    // Growth first while the device has room; once it has said "full", recycling first, and
+    // a probe of the device only for what recycling cannot give (see the header).
     std::vector<moved_handle> all;
     std::size_t created = 0;
     std::vector<recyclable_run> runs;
@@ -171,6 +176,10 @@ class vm_compactor {
     try {
       if (growth_first) {
         created = create_handles(missing, all, cause);
+      }
+      if (created < missing && merge_neighbours()) {
+        map_at_frontier(all, created);  // what growth gave stays free at the frontier
+        return true;
       }
       if (created < missing) {
         recyclable = find_recyclable(missing - created, runs);
@@ -207,29 +216,7 @@ class vm_compactor {
         all.push_back(h);
       }
     }
-    // 3. Map everything at the frontier; set access once.
-    const std::uintptr_t start = space_.frontier();
-    std::size_t mapped = 0;
-    try {
-      for (const moved_handle& h : all) {
-        layer_.map(start + mapped, h.bytes, h.handle);
-        ++counts_.maps;
-        mapped += h.bytes;
-      }
-      layer_.set_access(start, mapped);
-      ++counts_.access_calls;
-    } catch (...) {
-      undo_mapping(all, mapped);
-      throw;
-    }
-    std::size_t offset = 0;
-    for (const moved_handle& h : all) {
-      handles_.add(start + offset, mapped_handle{h.handle, h.bytes});
-      offset += h.bytes;
-    }
-    handles_.mapped_bytes += created;
-    space_.advance(mapped);
-    free_.insert(start, {mapped, nullptr, true});
+    map_at_frontier(all, created);
     return true;
   }
 
@@ -291,6 +278,37 @@ class vm_compactor {
       total += r.bytes;
     }
     return total;
+  }
+
+  /// Maps `all` (fresh handles, `created` bytes of them, and recycled ones) side by side at
+  /// the frontier with one cuMemSetAccess, as one free range. On a failure the batch is
+  /// undone (see undo_mapping) and the error rethrown. Nothing to map: nothing happens.
+  void map_at_frontier(const std::vector<moved_handle>& all, std::size_t created) {
+    if (all.empty()) {
+      return;
+    }
+    const std::uintptr_t start = space_.frontier();
+    std::size_t mapped = 0;
+    try {
+      for (const moved_handle& h : all) {
+        layer_.map(start + mapped, h.bytes, h.handle);
+        ++counts_.maps;
+        mapped += h.bytes;
+      }
+      layer_.set_access(start, mapped);
+      ++counts_.access_calls;
+    } catch (...) {
+      undo_mapping(all, mapped);
+      throw;
+    }
+    std::size_t offset = 0;
+    for (const moved_handle& h : all) {
+      handles_.add(start + offset, mapped_handle{h.handle, h.bytes});
+      offset += h.bytes;
+    }
+    handles_.mapped_bytes += created;
+    space_.advance(mapped);
+    free_.insert(start, {mapped, nullptr, true});
   }
 
   /// Creates handles for at least `required` bytes into `out`; returns the bytes created

@@ -55,6 +55,9 @@ class free_range_index {
   [[nodiscard]] by_address::iterator find(std::uintptr_t address) {
     return by_address_.find(address);
   }
+  [[nodiscard]] by_address::const_iterator find(std::uintptr_t address) const {
+    return by_address_.find(address);
+  }
 
   /// Free ranges of at least `bytes`, smallest first (best fit walks up from here).
   [[nodiscard]] by_size::const_iterator smallest_from(std::size_t bytes) const {

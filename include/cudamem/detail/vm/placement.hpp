@@ -68,7 +68,7 @@ struct vm_fit {
 /// The best-fitting free range for the request, or nullopt when none holds it. With
 /// `prefer_idle` (a synchronous request, which would wait on the host for a range's pending
 /// frees), the best-fitting idle range, and a pending one only when no idle one holds it.
-[[nodiscard]] inline std::optional<vm_fit> best_fit(free_range_index& free,
+[[nodiscard]] inline std::optional<vm_fit> best_fit(const free_range_index& free,
                                                    const handle_set& handles,
                                                    const vm_request& r,
                                                    bool prefer_idle = false) {
