@@ -167,9 +167,10 @@ void run(allocator_under_test& a, const char* label, std::size_t free_at_start, 
   if (a.handle_work) {
     static_cast<void>(a.handle_work());  // count the experiment's handles only
   }
-  const fragmentation_result swiss = swiss_cheese(
-      [&](std::size_t n) { return a.alloc(n, 0); }, [&](void* p, std::size_t n) { a.release(p, n, 0); },
-      64 * MiB, 128 * MiB, a.footprint);
+  const fragmentation_result swiss =
+      swiss_cheese([&](std::size_t n) { return a.alloc(n, 0); },
+                   [&](void* p, std::size_t n) { a.release(p, n, 0); }, 64 * MiB, 128 * MiB,
+                   a.footprint);
   std::optional<swiss_floor> floor;
   if (a.handle_work) {
     const auto [created, moved] = a.handle_work();
@@ -177,7 +178,8 @@ void run(allocator_under_test& a, const char* label, std::size_t free_at_start, 
     // Cold: the fill's memory, created once; warm, it is all mapped already. Every 128 MiB
     // block needs its handles moved: the 64 MiB holes are never side by side.
     const std::size_t per_handle = std::max<std::size_t>(1, a.handle_bytes);
-    floor->needed_creates = cold ? swiss.small_blocks * ((64 * MiB + per_handle - 1) / per_handle) : 0;
+    const std::size_t per_small = (64 * MiB + per_handle - 1) / per_handle;
+    floor->needed_creates = cold ? swiss.small_blocks * per_small : 0;
     floor->needed_moves = swiss.large_blocks * ((128 * MiB + per_handle - 1) / per_handle);
     if (measured_costs && swiss.ops != 0) {
       const handle_costs& c = *measured_costs;
@@ -203,8 +205,8 @@ void run(allocator_under_test& a, const char* label, std::size_t free_at_start, 
     std::printf("    swiss: %s\n    mixed: %s\n", swiss_counters.c_str(), mixed_counters.c_str());
   }
   if (floor) {
-    std::printf("    swiss floor: %zu handles created (%zu needed), %zu moved (%zu needed)", floor->created,
-                floor->needed_creates, floor->moved, floor->needed_moves);
+    std::printf("    swiss floor: %zu handles created (%zu needed), %zu moved (%zu needed)",
+                floor->created, floor->needed_creates, floor->moved, floor->needed_moves);
     if (floor->floor_ns_per_op > 0) {
       std::printf(": %.0f ns/op, measured/floor %.2fx", floor->floor_ns_per_op,
                   swiss.ns_per_op / floor->floor_ns_per_op);
@@ -524,8 +526,9 @@ variant_run cold_then_warm(const mixed_spec& spec, allocator_under_test& a,
 }
 
 void print_variant_header() {
-  std::printf("\nmixed trace variants: live fraction at the first failure, cold (a fresh allocator) "
-              "then warm (the same one again); vm_pool's driver calls per op (create/map/access)\n");
+  std::printf("\nmixed trace variants: live fraction at the first failure, cold (a fresh "
+              "allocator) then warm (the same one again); vm_pool's driver calls per op "
+              "(create/map/access)\n");
   std::printf("%-11s %5s %-18s %8s %8s %8s %8s %22s %22s\n", "variant", "seed", "allocator", "cold",
               "ns/op", "warm", "ns/op", "cold calls/op", "warm calls/op");
   std::fflush(stdout);
@@ -586,7 +589,8 @@ void print_markdown() {
     }
   }
   if (!variant_rows.empty()) {
-    std::printf("\n| variant | seed | allocator | cold | ns/op | warm | ns/op | vm calls/op cold (create/map/access) | warm |\n");
+    std::printf("\n| variant | seed | allocator | cold | ns/op | warm | ns/op "
+                "| vm calls/op cold (create/map/access) | warm |\n");
     std::printf("|---|---|---|---|---|---|---|---|---|\n");
     for (const variant_row& r : variant_rows) {
       std::printf("| %s | %llu | %s | %.4f | %.0f | %.4f | %.0f | %s | %s |\n", r.variant.c_str(),
@@ -743,7 +747,7 @@ int main(int argc, char** argv) {
   const auto usage = [] {
     std::fprintf(stderr,
                  "usage: bench_fragmentation [--simulated] [--detail] [--only NAME]\n"
-                 "                           [--variant all|none|NAME[,NAME...]] [--seeds N[,N...]]\n"
+                 "         [--variant all|none|NAME[,NAME...]] [--seeds N[,N...]]\n"
                  "variants:");
     for (const mixed_variant& v : mixed_variants()) {
       std::fprintf(stderr, " %s", v.name.c_str());

@@ -383,7 +383,7 @@ TEST_CASE("vm_resource: destruction unmaps, releases and frees everything, even 
   CHECK_THAT(errors.messages()[0], Catch::Contains("still allocated"));
 }
 
-TEST_CASE("vm_resource: every handle is handle_bytes, near the end of the device and the limit too") {
+TEST_CASE("vm_resource: every handle is handle_bytes, at the end of the device and of the limit") {
   // A free run of k handles then holds the same blocks wherever it lies and however often it
   // was reused; a smaller handle in the middle of a run would change how many handles a block
   // spans (what made a second run of a trace strand more than the first). The price: the
