@@ -1,6 +1,7 @@
 // bench/fragmentation.cu — how much of the device's free memory a program can use before its
 // first failure, and at what cost per operation, for cudamem's pools and their peers, in one
-// run on one device; then the standard single-thread traces, vm_pool against the plain pool.
+// run on one device; then the mixed trace's variants, cold and warm, seed by seed; then the
+// standard single-thread traces, vm_pool against the plain pool.
 //   swiss cheese: 64 MiB blocks until failure, free every other one, 128 MiB blocks until
 //                 failure; bytes obtained / bytes freed (what the freed blocks really held:
 //                 CUB rounds 64 MiB up to its 128 MiB bin);
@@ -8,21 +9,31 @@
 //                 small long-lived ones) to its first failure; live bytes at the failure / the
 //                 device's free memory before the allocator took anything.
 //
-//   ./run bench fragmentation               # on a GPU: ~2 minutes on an 80 GB H100
+//   ./run bench fragmentation               # on a GPU: ~3-4 minutes on an 80 GB H100
 //   ./run bench fragmentation --simulated   # no GPU: an 80 GiB simulated device, seconds
 //   bench_fragmentation --only vm_pool --detail   # one allocator; where its time goes
+//   bench_fragmentation --only vm_pool --variant bench,wide --seeds 42,1,2   # just those rows
 //
-// Rows: "cold" is an allocator's first run (each experiment starts from an empty allocator:
-// its cache is emptied before each); "warm" runs both experiments again on the same object
-// without emptying it, starting with what the cold mixed trace left cached (the steady state
-// of a long-running program). Under each vm_pool row: the driver work of each experiment
-// (compactions, cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap calls). Peers: cudaMalloc,
-// cudaMallocAsync (the device's default pool, release threshold UINT64_MAX, trimmed between),
-// cub::CachingDeviceAllocator(8, 3, 22, 64 GiB) (FreeAllCached between), thrust's
-// disjoint_unsynchronized_pool_resource (release() between). Stream-aware allocators run on one
-// non-blocking stream. Every allocator is destroyed, and the device's free memory checked,
-// before the next starts. Lines are printed (and flushed) as they are measured. With no GPU
-// and no --simulated it prints one line and exits 69.
+// Main table. "cold" is an allocator's first run (each experiment starts from an empty
+// allocator: its cache is emptied before each); "warm" runs both experiments again on the
+// same object without emptying it, starting with what the cold mixed trace left cached (the
+// steady state of a long-running program). Under each vm_pool row: the driver work of each
+// experiment (compactions, cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap calls), and for
+// swiss cheese the driver's floor: the handles it must create (cold) and move (two per 128 MiB
+// block: two 64 MiB holes are never side by side) times what one create, map and
+// cuMemSetAccess cost, measured at the start of this run; measured/floor is printed.
+// Variants table (mixed_variants() in bench/support/fragmentation.hpp: other size ranges, more
+// long-lived small blocks, more large blocks alive, several streams): for each variant and
+// seed, a fresh allocator runs the trace to its first failure (cold), then again on the same
+// object (warm); vm_pool's driver calls per operation beside it. Peers there: cudaMallocAsync.
+// At the end, both tables again in markdown, for bench/README.md.
+// Peers: cudaMalloc, cudaMallocAsync (the device's default pool, release threshold UINT64_MAX,
+// trimmed between), cub::CachingDeviceAllocator(8, 3, 22, 64 GiB) (FreeAllCached between),
+// thrust's disjoint_unsynchronized_pool_resource (release() between). Stream-aware allocators
+// run on non-blocking streams (four; the traces use the first unless a variant says
+// otherwise). Every allocator is destroyed, and the device's free memory checked, before the
+// next starts. Lines are printed (and flushed) as they are measured. With no GPU and no
+// --simulated it prints one line and exits 69.
 #include <cudamem/detail/vm/driver_mapping.hpp>
 #include <cudamem/device_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
@@ -50,6 +61,8 @@
 #include <functional>
 #include <memory>
 #include <new>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -74,11 +87,12 @@ std::size_t device_free_now() {
   return free;
 }
 
-/// One allocator under test: alloc returns nullptr on failure and must not throw.
+/// One allocator under test: alloc returns nullptr on failure and must not throw. Both take
+/// the index of the stream to work on (0 unless a variant of the mixed trace says otherwise).
 struct allocator_under_test {
   std::string name;
-  std::function<void*(std::size_t)> alloc;
-  std::function<void(void*, std::size_t)> release;
+  std::function<void*(std::size_t, std::size_t)> alloc;
+  std::function<void(void*, std::size_t, std::size_t)> release;
   std::function<void()> empty_cache = [] {};     ///< between experiments of a cold run
   std::function<std::size_t(std::size_t)> footprint = [](std::size_t n) { return n; };
   /// Driver work done since the last call, printed under each row (vm_pool's call counts).
@@ -87,7 +101,38 @@ struct allocator_under_test {
   std::function<std::string(const char*)> driver_detail = [](const char*) { return std::string{}; };
   std::string swiss_detail;
   std::string mixed_detail;
+  /// vm_pool: handles created and moved since the last call (the swiss floor's counts), and
+  /// the size of its handles.
+  std::function<std::pair<std::size_t, std::size_t>()> handle_work;
+  std::size_t handle_bytes = 0;
 };
+
+/// What the driver charges for one handle, measured in this run (vm_pool's swiss floor).
+struct handle_costs {
+  double create_us = 0;
+  double map_us = 0;
+  double access_us = 0;  ///< one cuMemSetAccess for the handle alone
+};
+
+/// The handles an experiment made and moved, and the driver's floor for them.
+struct swiss_floor {
+  std::size_t created = 0;
+  std::size_t moved = 0;
+  std::size_t needed_creates = 0;
+  std::size_t needed_moves = 0;
+  double floor_ns_per_op = 0;  ///< 0: no costs measured (the simulated device)
+};
+
+/// One row of the main table, kept for the markdown at the end.
+struct main_row {
+  std::string name;
+  std::string run;
+  fragmentation_result swiss;
+  fragmentation_result mix;
+  std::optional<swiss_floor> floor;
+};
+std::vector<main_row> main_rows;
+std::optional<handle_costs> measured_costs;  ///< set on a GPU before vm_pool runs
 
 double seconds_since(clock_type::time_point start) {
   return std::chrono::duration<double>(clock_type::now() - start).count();
@@ -119,8 +164,32 @@ void run(allocator_under_test& a, const char* label, std::size_t free_at_start, 
   if (cold) {
     a.empty_cache();
   }
+  if (a.handle_work) {
+    static_cast<void>(a.handle_work());  // count the experiment's handles only
+  }
   const fragmentation_result swiss =
-      swiss_cheese(a.alloc, a.release, 64 * MiB, 128 * MiB, a.footprint);
+      swiss_cheese([&](std::size_t n) { return a.alloc(n, 0); },
+                   [&](void* p, std::size_t n) { a.release(p, n, 0); }, 64 * MiB, 128 * MiB,
+                   a.footprint);
+  std::optional<swiss_floor> floor;
+  if (a.handle_work) {
+    const auto [created, moved] = a.handle_work();
+    floor = swiss_floor{created, moved, 0, 0, 0};
+    // Cold: the fill's memory, created once; warm, it is all mapped already. Every 128 MiB
+    // block needs its handles moved: the 64 MiB holes are never side by side.
+    const std::size_t per_handle = std::max<std::size_t>(1, a.handle_bytes);
+    const std::size_t per_small = (64 * MiB + per_handle - 1) / per_handle;
+    floor->needed_creates = cold ? swiss.small_blocks * per_small : 0;
+    floor->needed_moves = swiss.large_blocks * ((128 * MiB + per_handle - 1) / per_handle);
+    if (measured_costs && swiss.ops != 0) {
+      const handle_costs& c = *measured_costs;
+      floor->floor_ns_per_op =
+          1e3 *
+          (static_cast<double>(floor->needed_creates) * (c.create_us + c.map_us + c.access_us) +
+           static_cast<double>(floor->needed_moves) * (c.map_us + c.access_us)) /
+          static_cast<double>(swiss.ops);
+    }
+  }
   const std::string swiss_counters = a.counters();
   a.swiss_detail = a.driver_detail("swiss");
   if (cold) {
@@ -131,8 +200,18 @@ void run(allocator_under_test& a, const char* label, std::size_t free_at_start, 
   const std::string mixed_counters = a.counters();
   a.mixed_detail = a.driver_detail("mixed");
   print_row(a.name, label, swiss, mix, seconds_since(start));
+  main_rows.push_back({a.name, label, swiss, mix, floor});
   if (!swiss_counters.empty()) {
     std::printf("    swiss: %s\n    mixed: %s\n", swiss_counters.c_str(), mixed_counters.c_str());
+  }
+  if (floor) {
+    std::printf("    swiss floor: %zu handles created (%zu needed), %zu moved (%zu needed)",
+                floor->created, floor->needed_creates, floor->moved, floor->needed_moves);
+    if (floor->floor_ns_per_op > 0) {
+      std::printf(": %.0f ns/op, measured/floor %.2fx", floor->floor_ns_per_op,
+                  swiss.ns_per_op / floor->floor_ns_per_op);
+    }
+    std::printf("\n");
   }
   if (profile_ops) {
     const auto detail = [](const char* what, const fragmentation_result& r) {
@@ -172,6 +251,20 @@ std::function<std::string()> vm_counters(const cudamem::vm_pool_resource& vm) {
   };
 }
 
+/// vm_pool's handles created and moved since the previous call (a map is a creation's or a
+/// move's).
+std::function<std::pair<std::size_t, std::size_t>()> vm_handle_work(
+    const cudamem::vm_pool_resource& vm) {
+  auto last = std::make_shared<cudamem::vm_resource_stats>(vm.vm_stats());
+  return [&vm, last] {
+    const cudamem::vm_resource_stats now = vm.vm_stats();
+    const std::size_t created = now.handles_created - last->handles_created;
+    const std::size_t maps = now.maps - last->maps;
+    *last = now;
+    return std::pair<std::size_t, std::size_t>{created, maps > created ? maps - created : 0};
+  };
+}
+
 template <class F>
 void* or_null(F&& f) {
   try {
@@ -184,15 +277,20 @@ void* or_null(F&& f) {
   }
 }
 
+/// `mr` on `streams` (stream index s works on streams[s % size]; none: the null stream).
 allocator_under_test from_resource(const std::string& name, cudamem::memory_resource& mr,
-                                   cudaStream_t stream) {
+                                   std::vector<cudaStream_t> streams) {
+  if (streams.empty()) {
+    streams.push_back(nullptr);
+  }
   allocator_under_test a;
   a.name = name;
-  a.alloc = [&mr, stream](std::size_t n) {
-    return or_null([&] { return mr.allocate(n, 256, cudamem::stream_view{stream}); });
+  a.alloc = [&mr, streams](std::size_t n, std::size_t s) {
+    const cudamem::stream_view on{streams[s % streams.size()]};
+    return or_null([&] { return mr.allocate(n, 256, on); });
   };
-  a.release = [&mr, stream](void* p, std::size_t n) {
-    mr.deallocate(p, n, 256, cudamem::stream_view{stream});
+  a.release = [&mr, streams](void* p, std::size_t n, std::size_t s) {
+    mr.deallocate(p, n, 256, cudamem::stream_view{streams[s % streams.size()]});
   };
   return a;
 }
@@ -328,6 +426,182 @@ void print_vm_stats(const cudamem::vm_pool_resource& vm, const char* indent) {
   std::fflush(stdout);
 }
 
+// --- what one handle costs the driver (the swiss floor) -------------------------------------
+
+/// Creates `count` handles of `handle` bytes on `device`, maps each at a fresh address and
+/// gives it access alone (one cuMemSetAccess per handle, as a move of one handle pays), then
+/// gives everything back; returns the median cost of each call.
+handle_costs measure_handle_costs(int device, std::size_t handle, std::size_t count = 16) {
+  cudamem::detail::driver_vm_mapping layer{device};
+  const std::uintptr_t va = layer.reserve(count * handle);
+  std::vector<cudamem::detail::vm_handle> handles;
+  std::vector<double> create_us;
+  std::vector<double> map_us;
+  std::vector<double> access_us;
+  const auto us = [](clock_type::time_point from) {
+    return std::chrono::duration<double, std::micro>(clock_type::now() - from).count();
+  };
+  for (std::size_t i = 0; i < count; ++i) {
+    auto start = clock_type::now();
+    const auto h = layer.create(handle);
+    if (!h) {
+      break;
+    }
+    create_us.push_back(us(start));
+    handles.push_back(*h);
+    start = clock_type::now();
+    layer.map(va + i * handle, handle, *h);
+    map_us.push_back(us(start));
+    start = clock_type::now();
+    layer.set_access(va + i * handle, handle);
+    access_us.push_back(us(start));
+  }
+  for (std::size_t i = 0; i < handles.size(); ++i) {
+    layer.unmap(va + i * handle, handle);
+    layer.release(handles[i]);
+  }
+  layer.free_reservation(va, count * handle);
+  const auto median = [](std::vector<double> v) {
+    if (v.empty()) {
+      return 0.0;
+    }
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  return {median(create_us), median(map_us), median(access_us)};
+}
+
+// --- the mixed trace's variants, cold and warm ------------------------------------------------
+
+/// Driver calls per operation of one run of a trace (vm_pool).
+struct call_rates {
+  double creates = 0;
+  double maps = 0;
+  double access = 0;
+};
+
+struct variant_run {
+  fragmentation_result cold;
+  fragmentation_result warm;
+  std::optional<call_rates> cold_calls;
+  std::optional<call_rates> warm_calls;
+};
+
+/// An allocator of the variants table: builds a fresh one, runs the trace cold then warm on it.
+struct variant_allocator {
+  std::string name;
+  std::function<variant_run(const mixed_spec&)> run;
+};
+
+struct variant_row {
+  std::string variant;
+  std::uint64_t seed;
+  std::string allocator;
+  variant_run result;
+};
+std::vector<variant_row> variant_rows;
+
+/// vm_pool's driver calls per operation since `before`.
+call_rates rates_since(const cudamem::vm_resource_stats& before,
+                       const cudamem::vm_resource_stats& now, std::size_t ops) {
+  const double n = ops == 0 ? 1.0 : static_cast<double>(ops);
+  return {static_cast<double>(now.handles_created - before.handles_created) / n,
+          static_cast<double>(now.maps - before.maps) / n,
+          static_cast<double>(now.access_calls - before.access_calls) / n};
+}
+
+/// Runs `spec` cold then warm through `a` (a fresh allocator), counting vm_pool's calls.
+variant_run cold_then_warm(const mixed_spec& spec, allocator_under_test& a,
+                           const cudamem::vm_pool_resource* vm) {
+  variant_run r;
+  const auto before = vm ? vm->vm_stats() : cudamem::vm_pool_stats{};
+  r.cold = mixed(spec, a.alloc, a.release);
+  const auto between = vm ? vm->vm_stats() : cudamem::vm_pool_stats{};
+  r.warm = mixed(spec, a.alloc, a.release);
+  if (vm != nullptr) {
+    r.cold_calls = rates_since(before, between, r.cold.ops);
+    r.warm_calls = rates_since(between, vm->vm_stats(), r.warm.ops);
+  }
+  return r;
+}
+
+void print_variant_header() {
+  std::printf("\nmixed trace variants: live fraction at the first failure, cold (a fresh "
+              "allocator) then warm (the same one again); vm_pool's driver calls per op "
+              "(create/map/access)\n");
+  std::printf("%-11s %5s %-18s %8s %8s %8s %8s %22s %22s\n", "variant", "seed", "allocator", "cold",
+              "ns/op", "warm", "ns/op", "cold calls/op", "warm calls/op");
+  std::fflush(stdout);
+}
+
+std::string rates_text(const std::optional<call_rates>& c) {
+  if (!c) {
+    return "-";
+  }
+  char text[64];
+  std::snprintf(text, sizeof text, "%.4f/%.4f/%.4f", c->creates, c->maps, c->access);
+  return text;
+}
+
+/// For every variant and seed, every allocator: fresh, cold, warm; rows printed as measured.
+void run_variants(const std::vector<variant_allocator>& allocators,
+                  const std::vector<const mixed_variant*>& variants,
+                  const std::vector<std::uint64_t>& seeds,
+                  const std::function<std::size_t()>& free_now) {
+  if (allocators.empty() || variants.empty()) {
+    return;
+  }
+  print_variant_header();
+  for (const mixed_variant* v : variants) {
+    for (const std::uint64_t seed : seeds) {
+      for (const variant_allocator& a : allocators) {
+        mixed_spec spec = v->make(free_now());
+        spec.seed = seed;
+        const variant_run r = a.run(spec);
+        std::printf("%-11s %5llu %-18s %8.4f %8.0f %8.4f %8.0f %22s %22s%s\n", v->name.c_str(),
+                    static_cast<unsigned long long>(seed), a.name.c_str(), r.cold.ratio,
+                    r.cold.ns_per_op, r.warm.ratio, r.warm.ns_per_op,
+                    rates_text(r.cold_calls).c_str(), rates_text(r.warm_calls).c_str(),
+                    r.warm.ratio + 1e-9 < r.cold.ratio ? "  <- warm below cold" : "");
+        std::fflush(stdout);
+        variant_rows.push_back({v->name, seed, a.name, r});
+      }
+    }
+  }
+}
+
+/// Both tables in markdown, for bench/README.md.
+void print_markdown() {
+  std::printf("\nmarkdown for bench/README.md:\n\n");
+  if (!main_rows.empty()) {
+    std::printf("| allocator | run | swiss | ns/op | swiss floor ns/op (x) | mixed | ns/op |\n");
+    std::printf("|---|---|---|---|---|---|---|\n");
+    for (const main_row& r : main_rows) {
+      std::string floor = "-";
+      if (r.floor && r.floor->floor_ns_per_op > 0) {
+        char text[64];
+        std::snprintf(text, sizeof text, "%.0f (%.2fx)", r.floor->floor_ns_per_op,
+                      r.swiss.ns_per_op / r.floor->floor_ns_per_op);
+        floor = text;
+      }
+      std::printf("| %s | %s | %.4f | %.0f | %s | %.4f | %.0f |\n", r.name.c_str(), r.run.c_str(),
+                  r.swiss.ratio, r.swiss.ns_per_op, floor.c_str(), r.mix.ratio, r.mix.ns_per_op);
+    }
+  }
+  if (!variant_rows.empty()) {
+    std::printf("\n| variant | seed | allocator | cold | ns/op | warm | ns/op "
+                "| vm calls/op cold (create/map/access) | warm |\n");
+    std::printf("|---|---|---|---|---|---|---|---|---|\n");
+    for (const variant_row& r : variant_rows) {
+      std::printf("| %s | %llu | %s | %.4f | %.0f | %.4f | %.0f | %s | %s |\n", r.variant.c_str(),
+                  static_cast<unsigned long long>(r.seed), r.allocator.c_str(), r.result.cold.ratio,
+                  r.result.cold.ns_per_op, r.result.warm.ratio, r.result.warm.ns_per_op,
+                  rates_text(r.result.cold_calls).c_str(), rates_text(r.result.warm_calls).c_str());
+    }
+  }
+  std::fflush(stdout);
+}
+
 // --- standard traces ----------------------------------------------------------------------
 
 /// Median ns/op of `reps` timed replays of `t` on `mr` (after one untimed replay).
@@ -377,21 +651,35 @@ void standard_traces_section(const std::function<std::unique_ptr<cudamem::memory
 
 // --- no GPU: a simulated 80 GiB device ---------------------------------------------------
 
-void run_simulated() {
+/// What to run: allocators (a name filter), the variants and seeds of the variants table.
+struct selection {
+  std::string only;  ///< run only the allocators whose name contains this (and no traces)
+  std::vector<const mixed_variant*> variants;
+  std::vector<std::uint64_t> seeds = {42, 1};
+
+  [[nodiscard]] bool wants(const char* name) const {
+    return only.empty() || std::string(name).find(only) != std::string::npos;
+  }
+};
+
+void run_simulated(const selection& what) {
   constexpr std::size_t capacity = 80 * GiB;
   std::printf("simulated 80 GiB device (no GPU): host-side bookkeeping only, no driver costs\n");
   print_header();
-  {
+  if (what.wants("first fit (reference)")) {
     cudamem::simulated_resource device{{.capacity = capacity}};
-    allocator_under_test a = from_resource("first fit (reference)", device, nullptr);
+    allocator_under_test a = from_resource("first fit (reference)", device, {});
     run(a, "cold", capacity, true);
   }
   for (auto layout : {cudamem::simulated_layout::first_fit, cudamem::simulated_layout::paged}) {
+    const char* name =
+        layout == cudamem::simulated_layout::paged ? "pool over paged" : "pool over first fit";
+    if (!what.wants(name)) {
+      continue;
+    }
     cudamem::simulated_resource device{{.capacity = capacity, .layout = layout}};
     cudamem::pool_resource pool{device};
-    allocator_under_test a = from_resource(
-        layout == cudamem::simulated_layout::paged ? "pool over paged" : "pool over first fit",
-        pool, nullptr);
+    allocator_under_test a = from_resource(name, pool, {});
     a.empty_cache = [&] { pool.release(); };
     run(a, "cold", capacity, true);
     run(a, "warm", capacity, false);
@@ -401,20 +689,52 @@ void run_simulated() {
         std::make_unique<cudamem::detail::simulated_vm_mapping>(
             cudamem::detail::simulated_vm_options{.capacity = capacity}));
   };
-  {
+  // Streams are only numbers to the simulated layer (which tracks which frees are pending).
+  const std::vector<cudaStream_t> fake_streams = {
+      reinterpret_cast<cudaStream_t>(0x1000), reinterpret_cast<cudaStream_t>(0x2000),
+      reinterpret_cast<cudaStream_t>(0x3000), reinterpret_cast<cudaStream_t>(0x4000)};
+  if (what.wants("cudamem vm_pool")) {
     const auto vm = make_vm();
-    allocator_under_test a = from_resource("cudamem vm_pool", *vm, nullptr);
+    allocator_under_test a = from_resource("cudamem vm_pool", *vm, fake_streams);
     a.empty_cache = [&] { vm->release(); };
     a.counters = vm_counters(*vm);
+    a.handle_work = vm_handle_work(*vm);
+    a.handle_bytes = vm->upstream_vm().handle_bytes();
     run(a, "cold", capacity, true);
     run(a, "warm", capacity, false);
     print_vm_stats(*vm, "  ");
   }
-  // The traces' peak live bytes (16 GiB) fit the simulated device; streams are ignored there.
-  static cudamem::simulated_resource trace_device{{.capacity = capacity, .layout = cudamem::simulated_layout::paged}};
-  standard_traces_section(
-      [] { return std::make_unique<cudamem::pool_resource>(trace_device); },
-      [&] { return std::unique_ptr<cudamem::memory_resource>(make_vm()); }, nullptr);
+  std::vector<variant_allocator> variant_allocators;
+  if (what.wants("cudamem vm_pool")) {
+    variant_allocators.push_back({"cudamem vm_pool", [&](const mixed_spec& spec) {
+                                    const auto vm = make_vm();
+                                    allocator_under_test a =
+                                        from_resource("cudamem vm_pool", *vm, fake_streams);
+                                    return cold_then_warm(spec, a, vm.get());
+                                  }});
+  }
+  run_variants(variant_allocators, what.variants, what.seeds, [] { return capacity; });
+  if (what.only.empty()) {
+    // The traces' peak live bytes (16 GiB) fit the simulated device; streams are ignored there.
+    static cudamem::simulated_resource trace_device{
+        {.capacity = capacity, .layout = cudamem::simulated_layout::paged}};
+    standard_traces_section(
+        [] { return std::make_unique<cudamem::pool_resource>(trace_device); },
+        [&] { return std::unique_ptr<cudamem::memory_resource>(make_vm()); }, nullptr);
+  }
+  print_markdown();
+}
+
+/// "a,b,c" -> {"a", "b", "c"}.
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> parts;
+  std::stringstream in(text);
+  for (std::string part; std::getline(in, part, ',');) {
+    if (!part.empty()) {
+      parts.push_back(part);
+    }
+  }
+  return parts;
 }
 
 }  // namespace
@@ -422,7 +742,19 @@ void run_simulated() {
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress shows even through a pipe
   bool simulated = false;
-  std::string only;  // run only the allocators whose name contains this (and no traces)
+  selection what;
+  std::string variant_list = "all";
+  const auto usage = [] {
+    std::fprintf(stderr,
+                 "usage: bench_fragmentation [--simulated] [--detail] [--only NAME]\n"
+                 "         [--variant all|none|NAME[,NAME...]] [--seeds N[,N...]]\n"
+                 "variants:");
+    for (const mixed_variant& v : mixed_variants()) {
+      std::fprintf(stderr, " %s", v.name.c_str());
+    }
+    std::fprintf(stderr, "\n");
+    return 1;
+  };
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     if (arg == "--simulated") {
@@ -430,17 +762,42 @@ int main(int argc, char** argv) {
     } else if (arg == "--detail") {
       profile_ops = true;
     } else if (arg == "--only" && i + 1 < argc) {
-      only = argv[++i];
+      what.only = argv[++i];
+    } else if (arg == "--variant" && i + 1 < argc) {
+      variant_list = argv[++i];
+    } else if (arg == "--seeds" && i + 1 < argc) {
+      what.seeds.clear();
+      for (const std::string& seed : split_list(argv[++i])) {
+        char* end = nullptr;
+        const unsigned long long n = std::strtoull(seed.c_str(), &end, 10);
+        if (end == seed.c_str() || *end != '\0') {
+          return usage();
+        }
+        what.seeds.push_back(n);
+      }
     } else {
-      std::fprintf(stderr, "usage: bench_fragmentation [--simulated] [--detail] [--only NAME]\n");
-      return 1;
+      return usage();
     }
   }
-  const auto wanted = [&only](const char* name) {
-    return only.empty() || std::string(name).find(only) != std::string::npos;
-  };
+  if (variant_list != "none") {
+    for (const mixed_variant& v : mixed_variants()) {
+      if (variant_list == "all") {
+        what.variants.push_back(&v);
+      }
+    }
+    if (variant_list != "all") {
+      for (const std::string& name : split_list(variant_list)) {
+        const auto it = std::find_if(mixed_variants().begin(), mixed_variants().end(),
+                                     [&](const mixed_variant& v) { return v.name == name; });
+        if (it == mixed_variants().end()) {
+          return usage();
+        }
+        what.variants.push_back(&*it);
+      }
+    }
+  }
   if (simulated) {
-    run_simulated();
+    run_simulated(what);
     return 0;
   }
   int devices = 0;
@@ -453,12 +810,24 @@ int main(int argc, char** argv) {
   const auto bench_start = clock_type::now();
   cudaDeviceProp prop{};
   require(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  if (what.wants("cudamem vm_pool")) {
+    const std::size_t handle = cudamem::vm_resource_options{}.handle_bytes;
+    measured_costs = measure_handle_costs(0, handle);
+    std::printf("one %zu MiB handle costs the driver: cuMemCreate %.1f us, cuMemMap %.1f us, "
+                "cuMemSetAccess %.1f us (medians of 16, measured now)\n",
+                handle / MiB, measured_costs->create_us, measured_costs->map_us,
+                measured_costs->access_us);
+  }
   const std::size_t free_at_start = device_free_now();
   std::printf("bench_fragmentation: %s, %.1f GiB free at start\n", prop.name,
               static_cast<double>(free_at_start) / GiB);
   print_header();
-  cudaStream_t stream = nullptr;
-  require(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  std::vector<cudaStream_t> streams(4, nullptr);
+  for (cudaStream_t& s : streams) {
+    require(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+  }
+  const cudaStream_t stream = streams[0];
+  const auto on = [&](std::size_t s) { return streams[s % streams.size()]; };
   const auto check_returned = [&](const char* who) {
     const std::size_t now = device_free_now();
     if (now + 64 * MiB < free_at_start) {
@@ -467,10 +836,10 @@ int main(int argc, char** argv) {
     }
   };
 
-  if (wanted("cudaMalloc")) {
+  if (what.wants("cudaMalloc")) {
     allocator_under_test a;
     a.name = "cudaMalloc";
-    a.alloc = [](std::size_t n) -> void* {
+    a.alloc = [](std::size_t n, std::size_t) -> void* {
       void* p = nullptr;
       if (cudaMalloc(&p, n) != cudaSuccess) {
         static_cast<void>(cudaGetLastError());
@@ -478,51 +847,59 @@ int main(int argc, char** argv) {
       }
       return p;
     };
-    a.release = [](void* p, std::size_t) { require(cudaFree(p), "cudaFree"); };
+    a.release = [](void* p, std::size_t, std::size_t) { require(cudaFree(p), "cudaFree"); };
     run(a, "-", device_free_now(), true);
     check_returned("cudaMalloc");
   }
-  if (wanted("cudaMallocAsync")) {
-    cudaMemPool_t mempool = nullptr;
-    require(cudaDeviceGetDefaultMemPool(&mempool, 0), "cudaDeviceGetDefaultMemPool");
-    std::uint64_t threshold = UINT64_MAX;
-    require(cudaMemPoolSetAttribute(mempool, cudaMemPoolAttrReleaseThreshold, &threshold),
-            "cudaMemPoolSetAttribute");
+  cudaMemPool_t mempool = nullptr;
+  require(cudaDeviceGetDefaultMemPool(&mempool, 0), "cudaDeviceGetDefaultMemPool");
+  std::uint64_t threshold = UINT64_MAX;
+  require(cudaMemPoolSetAttribute(mempool, cudaMemPoolAttrReleaseThreshold, &threshold),
+          "cudaMemPoolSetAttribute");
+  const auto malloc_async = [&] {
     allocator_under_test a;
     a.name = "cudaMallocAsync";
-    a.alloc = [&](std::size_t n) -> void* {
+    a.alloc = [&](std::size_t n, std::size_t s) -> void* {
       void* p = nullptr;
-      if (cudaMallocAsync(&p, n, stream) != cudaSuccess) {
+      if (cudaMallocAsync(&p, n, on(s)) != cudaSuccess) {
         static_cast<void>(cudaGetLastError());
         return nullptr;
       }
       return p;
     };
-    a.release = [&](void* p, std::size_t) { require(cudaFreeAsync(p, stream), "cudaFreeAsync"); };
+    a.release = [&](void* p, std::size_t, std::size_t s) {
+      require(cudaFreeAsync(p, on(s)), "cudaFreeAsync");
+    };
     a.empty_cache = [&] {
-      require(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+      require(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
       require(cudaMemPoolTrimTo(mempool, 0), "cudaMemPoolTrimTo");
     };
+    return a;
+  };
+  if (what.wants("cudaMallocAsync")) {
+    allocator_under_test a = malloc_async();
     const std::size_t free = device_free_now();
     run(a, "cold", free, true);
     run(a, "warm", free, false);
     a.empty_cache();
     check_returned("cudaMallocAsync");
   }
-  if (wanted("CUB caching")) {
+  if (what.wants("CUB caching")) {
     {  // the allocator is destroyed before its memory is counted back
       cub::CachingDeviceAllocator cub(8, 3, 22, std::size_t{64} << 30);
       allocator_under_test a;
       a.name = "CUB caching";
-      a.alloc = [&](std::size_t n) -> void* {
+      a.alloc = [&](std::size_t n, std::size_t s) -> void* {
         void* p = nullptr;
-        if (cub.DeviceAllocate(&p, n, stream) != cudaSuccess) {
+        if (cub.DeviceAllocate(&p, n, on(s)) != cudaSuccess) {
           static_cast<void>(cudaGetLastError());
           return nullptr;
         }
         return p;
       };
-      a.release = [&](void* p, std::size_t) { require(cub.DeviceFree(p), "CUB DeviceFree"); };
+      a.release = [&](void* p, std::size_t, std::size_t) {
+        require(cub.DeviceFree(p), "CUB DeviceFree");
+      };
       a.empty_cache = [&] { require(cub.FreeAllCached(), "CUB FreeAllCached"); };
       a.footprint = cub_bin;
       run(a, "cold", device_free_now(), true);
@@ -530,7 +907,7 @@ int main(int argc, char** argv) {
     }
     check_returned("CUB");
   }
-  if (wanted("thrust disjoint pool")) {
+  if (what.wants("thrust disjoint pool")) {
     {  // the allocator is destroyed before its memory is counted back
       using thrust_pool =
           thrust::mr::disjoint_unsynchronized_pool_resource<thrust::device_memory_resource,
@@ -540,8 +917,10 @@ int main(int argc, char** argv) {
       thrust_pool pool(&upstream, &bookkeeper);
       allocator_under_test a;
       a.name = "thrust disjoint pool";
-      a.alloc = [&](std::size_t n) { return or_null([&] { return pool.do_allocate(n, 256).get(); }); };
-      a.release = [&](void* p, std::size_t n) {
+      a.alloc = [&](std::size_t n, std::size_t) {
+        return or_null([&] { return pool.do_allocate(n, 256).get(); });
+      };
+      a.release = [&](void* p, std::size_t n, std::size_t) {
         pool.do_deallocate(thrust::device_ptr<void>(p), n, 256);
       };
       a.empty_cache = [&] { pool.release(); };
@@ -550,11 +929,11 @@ int main(int argc, char** argv) {
     }
     check_returned("thrust's pool");
   }
-  if (wanted("cudamem pool")) {
+  if (what.wants("cudamem pool")) {
     {  // the allocator is destroyed before its memory is counted back
       cudamem::device_resource device{0};
       cudamem::pool_resource pool{device};
-      allocator_under_test a = from_resource("cudamem pool", pool, stream);
+      allocator_under_test a = from_resource("cudamem pool", pool, streams);
       a.empty_cache = [&] { pool.release(); };
       const std::size_t free = device_free_now();
       run(a, "cold", free, true);
@@ -562,15 +941,17 @@ int main(int argc, char** argv) {
     }
     check_returned("cudamem pool");
   }
-  if (wanted("cudamem vm_pool")) {
+  if (what.wants("cudamem vm_pool")) {
     {  // the allocator is destroyed before its memory is counted back
       auto layer = std::make_unique<timed_mapping>(0);
       timed_mapping& timing = *layer;
       const std::size_t free = device_free_now();
       cudamem::vm_pool_resource vm{std::move(layer)};
-      allocator_under_test a = from_resource("cudamem vm_pool", vm, stream);
+      allocator_under_test a = from_resource("cudamem vm_pool", vm, streams);
       a.empty_cache = [&] { vm.release(); };
       a.counters = vm_counters(vm);
+      a.handle_work = vm_handle_work(vm);
+      a.handle_bytes = vm.upstream_vm().handle_bytes();
       a.driver_detail = [&timing](const char* what) { return timing.delta(what); };
       run(a, "cold", free, true);
       run(a, "warm", free, false);
@@ -579,7 +960,34 @@ int main(int argc, char** argv) {
     }
     check_returned("cudamem vm_pool");
   }
-  if (only.empty()) {
+
+  std::vector<variant_allocator> variant_allocators;
+  if (what.wants("cudamem vm_pool")) {
+    variant_allocators.push_back({"cudamem vm_pool", [&](const mixed_spec& spec) {
+                                    variant_run r;
+                                    {
+                                      cudamem::vm_pool_resource vm{0};
+                                      allocator_under_test a =
+                                          from_resource("cudamem vm_pool", vm, streams);
+                                      r = cold_then_warm(spec, a, &vm);
+                                    }
+                                    check_returned("cudamem vm_pool");
+                                    return r;
+                                  }});
+  }
+  if (what.wants("cudaMallocAsync")) {
+    variant_allocators.push_back({"cudaMallocAsync", [&](const mixed_spec& spec) {
+                                    allocator_under_test a = malloc_async();
+                                    a.empty_cache();
+                                    const variant_run r = cold_then_warm(spec, a, nullptr);
+                                    a.empty_cache();
+                                    check_returned("cudaMallocAsync");
+                                    return r;
+                                  }});
+  }
+  run_variants(variant_allocators, what.variants, what.seeds, [] { return device_free_now(); });
+
+  if (what.only.empty()) {
     standard_traces_section(
         [] {
           static cudamem::device_resource device{0};
@@ -587,8 +995,11 @@ int main(int argc, char** argv) {
         },
         [] { return std::make_unique<cudamem::vm_pool_resource>(0); }, stream);
   }
-  require(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-  require(cudaStreamDestroy(stream), "cudaStreamDestroy");
+  print_markdown();
+  for (const cudaStream_t s : streams) {
+    require(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+    require(cudaStreamDestroy(s), "cudaStreamDestroy");
+  }
   std::printf("\nbench_fragmentation: done in %.0f s\n", seconds_since(bench_start));
   return 0;
 }

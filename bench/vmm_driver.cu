@@ -14,6 +14,10 @@
 // Then: pieces of ONE large handle (cuMemMap with a non-zero offset), 64 MiB each, mapped in
 // shuffled order at a fresh range, access given once: whether the cost follows the handles in
 // the range or the mappings.
+// Last: the stream-order calls vm_resource makes around a block it hands out itself (what
+// vm_pool_resource pays per block of a handle or more): cudaEventRecord at each free on a
+// stream, cudaStreamWaitEvent when another stream takes the memory, cudaEventSynchronize when
+// the host must wait (an idle device here: the least it costs).
 #include <cudamem/detail/vm/driver_mapping.hpp>
 
 #include <cuda_runtime_api.h>
@@ -32,6 +36,43 @@ double us_since(clock_type::time_point start) {
   return std::chrono::duration<double, std::micro>(clock_type::now() - start).count();
 }
 
+/// Mean cost of the stream-order calls, on two non-blocking streams of an idle device.
+void stream_order_costs() {
+  constexpr int n = 2000;
+  cudaStream_t freed_on = nullptr;
+  cudaStream_t user = nullptr;
+  cudaEvent_t ev = nullptr;
+  if (cudaStreamCreateWithFlags(&freed_on, cudaStreamNonBlocking) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&user, cudaStreamNonBlocking) != cudaSuccess ||
+      cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
+    std::printf("stream order: could not create streams and an event\n");
+    return;
+  }
+  auto start = clock_type::now();
+  for (int i = 0; i < n; ++i) {
+    cudaEventRecord(ev, freed_on);
+  }
+  const double record_us = us_since(start) / n;
+  start = clock_type::now();
+  for (int i = 0; i < n; ++i) {
+    cudaStreamWaitEvent(user, ev, 0);
+  }
+  const double wait_us = us_since(start) / n;
+  start = clock_type::now();
+  for (int i = 0; i < n; ++i) {
+    cudaEventRecord(ev, freed_on);
+    cudaEventSynchronize(ev);
+  }
+  const double sync_us = us_since(start) / n - record_us;
+  cudaStreamSynchronize(user);
+  std::printf("\nstream order, mean us per call (idle device): cudaEventRecord %.2f, "
+              "cudaStreamWaitEvent %.2f, cudaEventSynchronize %.2f\n",
+              record_us, wait_us, sync_us);
+  cudaEventDestroy(ev);
+  cudaStreamDestroy(user);
+  cudaStreamDestroy(freed_on);
+}
+
 }  // namespace
 
 int main() {
@@ -48,7 +89,7 @@ int main() {
               prop.name, layer.granularity() / MiB, total / GiB);
   std::printf("%8s %8s %9s %9s %14s %14s %14s %11s %9s\n", "handle", "handles", "create",
               "map", "access A once", "access B each", "access C once", "A/C us/GiB", "unmap");
-  for (const std::size_t handle : {2 * MiB, 32 * MiB, 256 * MiB, 1024 * MiB}) {
+  for (const std::size_t handle : {2 * MiB, 32 * MiB, 64 * MiB, 256 * MiB, 1024 * MiB}) {
     const std::size_t n = total / handle;
     std::vector<cudamem::detail::vm_handle> handles;
     auto start = clock_type::now();
@@ -127,6 +168,7 @@ int main() {
         std::printf("  cuMemMap with offset %zu MiB: error %d: partial mapping not supported\n",
                     source * piece / MiB, static_cast<int>(r));
         layer.release(*h);
+        stream_order_costs();
         return 0;
       }
     }
@@ -146,5 +188,6 @@ int main() {
     layer.release(*h);
     layer.free_reservation(va, big);
   }
+  stream_order_costs();
   return 0;
 }

@@ -17,6 +17,12 @@
 //   device's free memory before the allocator under test took anything). A first-fit
 //   allocator puts the small blocks in the holes the large ones leave and soon has no hole
 //   large enough; a pool that keeps small and large blocks apart lasts longer.
+//   With `streams` > 1, step k's blocks are allocated and freed on stream k % streams: the
+//   callables then take the stream's index as a last argument (alloc(bytes, s), release(p,
+//   bytes, s)); callables that take none are called without it.
+// mixed_variants(): the mixed trace and the variants bench_fragmentation and the tests run
+//   it in (other size ranges, more long-lived small blocks, more large blocks alive at once,
+//   several streams), each with a name.
 // Both free everything they allocated before returning.
 #pragma once
 
@@ -26,6 +32,8 @@
 #include <cmath>
 #include <cstddef>
 #include <deque>
+#include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -42,6 +50,8 @@ struct fragmentation_result {
   double slow_ns = 0;          ///< their time together
   double worst_ns = 0;         ///< the slowest operation
   std::vector<double> phase_ns;  ///< swiss cheese: fill, make holes, large blocks, clean up
+  std::size_t small_blocks = 0;  ///< swiss cheese: blocks of the fill
+  std::size_t large_blocks = 0;  ///< swiss cheese: large blocks obtained from the holes
 };
 
 /// Time every operation (two clock reads each: ~40 ns, so off for the headline figures).
@@ -103,6 +113,7 @@ fragmentation_result swiss_cheese(Alloc&& alloc, Free&& release, std::size_t sma
     ++r.ops;
   }
   end_phase();
+  r.small_blocks = smalls.size();
   std::vector<void*> larges;
   while (larges.size() < max_blocks) {
     void* p = timed_op(r, [&] { return alloc(large); });
@@ -113,6 +124,7 @@ fragmentation_result swiss_cheese(Alloc&& alloc, Free&& release, std::size_t sma
     larges.push_back(p);
     r.numerator += large;
   }
+  r.large_blocks = larges.size();
   end_phase();
   for (void* p : larges) {
     timed_op(r, [&] { release(p, large); });
@@ -142,6 +154,7 @@ struct mixed_spec {
   double large_growth = 0.0;   ///< large sizes grow by this fraction per step (batches grow)
   std::uint64_t seed = 42;
   std::size_t max_steps = 1 << 20;
+  std::size_t streams = 1;     ///< step k's blocks live on stream k % streams (see above)
 };
 
 /// The mixed trace scaled to a device of `free_bytes`: large blocks 1/640..1/80 of it (128 MiB
@@ -169,6 +182,67 @@ inline mixed_spec mixed_spec_gpu_for(std::size_t free_bytes) {
   return s;
 }
 
+/// One named variant of the mixed trace, scaled to a device of `free` bytes.
+struct mixed_variant {
+  std::string name;
+  std::string what;
+  mixed_spec (*make)(std::size_t free);
+};
+
+/// The variants bench_fragmentation runs cold and warm (and the tests check): the GPU trace,
+/// and four departures from it, one thing changed each.
+inline const std::vector<mixed_variant>& mixed_variants() {
+  static const std::vector<mixed_variant> variants = {
+      {"bench", "large 1/640..1/80 of the device, 4 small 256 KiB..4 MiB per step",
+       [](std::size_t free) { return mixed_spec_gpu_for(free); }},
+      {"wide", "large 8 MiB..1/80 of the device (medium blocks too)",
+       [](std::size_t free) {
+         mixed_spec s = mixed_spec_gpu_for(free);
+         s.large_min = 8 * MiB;
+         return s;
+       }},
+      {"many-small", "12 long-lived small blocks per step",
+       [](std::size_t free) {
+         mixed_spec s = mixed_spec_gpu_for(free);
+         s.smalls_per_step = 12;
+         return s;
+       }},
+      {"tiny", "16 long-lived small blocks of 4..256 KiB per step",
+       [](std::size_t free) {
+         mixed_spec s = mixed_spec_gpu_for(free);
+         s.small_min = 4 * KiB;
+         s.small_max = 256 * KiB;
+         s.smalls_per_step = 16;
+         return s;
+       }},
+      {"window16", "16 large blocks alive, 1/2560..1/160 of the device",
+       [](std::size_t free) {
+         mixed_spec s = mixed_spec_gpu_for(free);
+         s.large_min = free / 2560;
+         s.large_max = free / 160;
+         s.large_window = 16;
+         return s;
+       }},
+      {"streams4", "the bench trace on 4 streams, step k on stream k % 4",
+       [](std::size_t free) {
+         mixed_spec s = mixed_spec_gpu_for(free);
+         s.streams = 4;
+         return s;
+       }},
+  };
+  return variants;
+}
+
+/// Calls f(args..., stream) when f takes the stream's index, else f(args...).
+template <class F, class... Args>
+decltype(auto) call_on_stream(F& f, std::size_t stream, Args&&... args) {
+  if constexpr (std::is_invocable_v<F&, Args..., std::size_t>) {
+    return f(std::forward<Args>(args)..., stream);
+  } else {
+    return f(std::forward<Args>(args)...);
+  }
+}
+
 template <class Alloc, class Free>
 fragmentation_result mixed(const mixed_spec& spec, Alloc&& alloc, Free&& release) {
   using clock = std::chrono::steady_clock;
@@ -176,47 +250,58 @@ fragmentation_result mixed(const mixed_spec& spec, Alloc&& alloc, Free&& release
   fragmentation_result r;
   r.denominator = spec.start_free;
   random rng(spec.seed);
-  std::deque<std::pair<void*, std::size_t>> larges;
-  std::vector<std::pair<void*, std::size_t>> smalls;
+  struct block {
+    void* p;
+    std::size_t bytes;
+    std::size_t stream;
+  };
+  std::deque<block> larges;
+  std::vector<block> smalls;
+  const std::size_t streams = spec.streams == 0 ? 1 : spec.streams;
+  const auto allocate = [&](std::size_t n, std::size_t s) {
+    return timed_op(r, [&] { return call_on_stream(alloc, s, n); });
+  };
+  const auto free_block = [&](const block& b) { call_on_stream(release, b.stream, b.p, b.bytes); };
   std::size_t live = 0;
   bool failed = false;
   for (std::size_t step = 0; step < spec.max_steps && !failed; ++step) {
+    const std::size_t s = step % streams;
     const double scale = std::pow(1.0 + spec.large_growth, static_cast<double>(step));
     const auto big = static_cast<std::size_t>(
         static_cast<double>(rng.log_uniform(spec.large_min, spec.large_max)) * scale);
-    void* p = timed_op(r, [&] { return alloc(big); });
+    void* p = allocate(big, s);
     ++r.ops;
     if (p == nullptr) {
       failed = true;
       break;
     }
-    larges.emplace_back(p, big);
+    larges.push_back({p, big, s});
     live += big;
     for (std::size_t k = 0; k < spec.smalls_per_step; ++k) {
       const std::size_t n = rng.log_uniform(spec.small_min, spec.small_max);
-      void* q = timed_op(r, [&] { return alloc(n); });
+      void* q = allocate(n, s);
       ++r.ops;
       if (q == nullptr) {
         failed = true;
         break;
       }
-      smalls.emplace_back(q, n);
+      smalls.push_back({q, n, s});
       live += n;
     }
     while (!failed && larges.size() > spec.large_window) {
-      timed_op(r, [&] { release(larges.front().first, larges.front().second); });
-      live -= larges.front().second;
+      timed_op(r, [&] { free_block(larges.front()); });
+      live -= larges.front().bytes;
       larges.pop_front();
       ++r.ops;
     }
   }
   r.numerator = live;
-  for (const auto& [p, n] : larges) {
-    release(p, n);
+  for (const block& b : larges) {
+    free_block(b);
     ++r.ops;
   }
-  for (const auto& [p, n] : smalls) {
-    release(p, n);
+  for (const block& b : smalls) {
+    free_block(b);
     ++r.ops;
   }
   const auto ns = std::chrono::duration<double, std::nano>(clock::now() - start).count();

@@ -5,42 +5,64 @@
 //
 //   cudamem::vm_pool_resource pool{0};                   // device 0
 //   cudamem::stream s;
-//   void* a = pool.allocate(64 << 20, 256, s);           // pool-fast once memory is mapped
-//   pool.deallocate(a, 64 << 20, 256, s);
+//   void* a = pool.allocate(4 << 20, 256, s);            // from the pool: tens of ns
+//   void* b = pool.allocate(512 << 20, 256, s);          // whole handles from the upstream
+//   pool.deallocate(a, 4 << 20, 256, s);
+//   pool.deallocate(b, 512 << 20, 256, s);
 //   cudamem::vm_pool_stats st = pool.vm_stats();         // virtual, mapped, in use, waste
 //   pool.release();                                      // give wholly free memory back
 //
 //   cudamem::vm_pool_resource shared{0, {.peers = {1}}}; // device 1 may read and write it too
 //
-// What it is: a `pool_resource` over a `vm_resource`, owned together.
-// - The pool (pool_resource.hpp) does every allocate and deallocate: TLSF, shards, stream
-//   order; it asks its upstream only for chunks (64 MiB chunks, apart, for requests up to
-//   4 MiB and for medium ones; a chunk of its own for every request of 64 MiB or more: see
-//   vm_pool_chunking()).
-// - The upstream (vm_resource.hpp) maps physical memory behind fresh virtual ranges. When it
-//   cannot supply a chunk (the device is full), the pool gives back every chunk it holds
-//   wholly free and asks again; the upstream then recycles as many of those chunks' physical
-//   handles as the request lacks into one contiguous range. So two free 64 MiB chunks become a
-//   128 MiB one (two handles moved: ~50-80 µs of driver time), and the memory that
-//   frees left behind serves whatever comes next: swiss cheese and mixed traces use nearly
-//   all of the device, at the pool's speed (the upstream is called per chunk, not per block).
-// - Chunks of a handle (64 MiB) or more are placed on whole handles, so a wholly free chunk is
-//   wholly recyclable; only chunks smaller than a handle share one (`stranded_bytes` reports
-//   free memory held that way). Measured over the simulated 80 GiB device: swiss cheese 1.00,
-//   the mixed trace of bench/support/fragmentation.hpp 0.99 of the device live at failure.
+// What it is: a `pool_resource` over a `vm_resource`, owned together, each serving what it is
+// best at.
+// - Blocks of a handle (64 MiB) or more go straight to the upstream (vm_resource.hpp), which
+//   gives each whole handles of its own, placed best-fit in the free memory it has mapped; a
+//   freed one is at once free memory for any request, merged with its free neighbours. The
+//   pool is not in their way: a pool keeps a freed large chunk and cuts the next large block
+//   out of it, up to 1.25 times its size, and the rest stays pinned while that block lives.
+//   Over a device that is all it can do; over virtual memory every byte of that slack is
+//   physical memory another request could have had (it was what made a second run of the same
+//   trace strand more than the first).
+// - Smaller blocks come from the pool (pool_resource.hpp): TLSF, shards, stream order; it asks
+//   the upstream only for chunks (64 MiB chunks, apart, for requests up to 4 MiB and for
+//   medium ones: see vm_pool_chunking()). Its front-end cache is off: a cache left full of
+//   freed small blocks hands the next run's first requests blocks from all over the small
+//   chunks, so long-lived blocks pin more chunks than a fresh pool would. (The cache roughly
+//   halves the cost of a small block freed and taken again; `pool.cache_bytes` turns it on,
+//   at the price of that placement.)
+// - When the upstream cannot supply (the device is full), the pool gives back every chunk it
+//   holds wholly free and asks again; the upstream then recycles as many free handles as the
+//   request lacks into one contiguous range. So two free 64 MiB holes become a 128 MiB block
+//   (two handles moved: ~70 µs of driver time), and the memory that frees left behind serves
+//   whatever comes next: swiss cheese and mixed traces use nearly all of the device, and a
+//   second run of a trace on the same resource as much as the first.
+// - Every chunk and large block is whole handles, so wholly free memory is wholly recyclable;
+//   only chunks smaller than a handle (the pool's last resort) share one (`stranded_bytes`
+//   reports free memory held that way). Measured over the simulated 80 GiB device: swiss
+//   cheese 1.00, the mixed trace of bench/support/fragmentation.hpp 0.99 of the device live at
+//   failure, cold and warm.
 //
 // Contract (memory_resource.hpp's, pool_resource.hpp's and vm_resource.hpp's, plus)
 // - Construction: as vm_resource (`no_device_error`, `std::out_of_range`,
-//   `vm_not_supported_error`, `std::invalid_argument`); `pool` options as pool_resource's.
-// - Stream order is the pool's: the pool synchronises the device before it gives the upstream
-//   a chunk with frees still pending (once per give-back, not per chunk), so physical memory
-//   is never recycled, nor unmapped, while a kernel may still use it.
+//   `vm_not_supported_error`, `std::invalid_argument`); `pool` options as pool_resource's
+//   (`pool.maximum_size` bounds the pool's chunks; blocks of a handle or more are bounded by
+//   `physical_limit`).
+// - A block of `handle_bytes` or more is the upstream's, a smaller one the pool's: deallocate
+//   finds it by the size it is given (the size given to allocate, as always). A size on the
+//   other side of that line is a bad free: reported to the error handler, nothing freed.
+// - Stream order: the pool's for small blocks (it synchronises the device before it gives the
+//   upstream a chunk with frees still pending, once per give-back); the upstream's for large
+//   ones (an event per free; another stream waits for it on the device; recycling waits on
+//   the host). Physical memory is never recycled, nor unmapped, while a kernel may use it.
 // - `release()` returns the pool's wholly free chunks and then every wholly free handle to the
 //   driver; returns the physical bytes given back.
 // - Failure throws `out_of_memory` once the pool has given back what it could and the
-//   upstream has recycled and grown as far as it can; its report names both, and its hint
+//   upstream has grown and recycled as far as it can; its report names both, and its hint
 //   (for fragmentation: what release() and the options can and cannot do; over
 //   physical_limit: that limit) is this resource's own.
+// - stats(): reserved and used bytes are the pool's chunks plus the large blocks (the peak is
+//   the sum of both peaks, an upper bound); free blocks are the pool's.
 #pragma once
 
 #include <cudamem/detail/vm/driver_mapping.hpp>
@@ -51,26 +73,32 @@
 #include <cudamem/pool_resource.hpp>
 #include <cudamem/vm_resource.hpp>
 
+#include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <source_location>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
 namespace cudamem {
 
 /// The pool's chunking under a vm_resource: requests up to 4 MiB share 64 MiB small chunks
-/// (one handle each), so long-lived blocks of up to 4 MiB never sit in the chunks that large
-/// blocks come and go in; medium requests use 64 MiB chunks; 64 MiB and more get chunks of
-/// their own. Every chunk is whole handles, so a wholly free chunk is wholly recyclable.
+/// (one handle each), so long-lived blocks of up to 4 MiB never sit in the chunks that medium
+/// blocks come and go in; medium requests use 64 MiB chunks (blocks of 64 MiB and more do not
+/// reach the pool). Every chunk is whole handles, so a wholly free chunk is wholly recyclable.
+/// No front-end cache: see the header comment.
 [[nodiscard]] inline pool_options vm_pool_chunking() noexcept {
   pool_options o;
   o.small_block_limit = std::size_t{4} << 20;
   o.small_chunk_size = std::size_t{64} << 20;
   o.growth_step = std::size_t{64} << 20;
+  o.cache_bytes = 0;
   return o;
 }
 
@@ -84,6 +112,7 @@ struct vm_pool_options : vm_resource_options {
 
 /// What a vm_pool_resource holds: the upstream's virtual-memory figures, the pool's blocks.
 struct vm_pool_stats : vm_resource_stats {
+  std::size_t large_used_bytes = 0;      ///< blocks of a handle or more (the upstream's)
   std::size_t pool_used_bytes = 0;       ///< blocks handed out by the pool
   std::size_t pool_free_bytes = 0;       ///< free in the pool's chunks
   std::size_t pool_largest_free_block = 0;
@@ -106,7 +135,8 @@ class vm_pool_resource final : public memory_resource {
                             vm_pool_options options = {})
       : memory_resource(memory_kind::device, layer ? layer->device() : -1),
         vm_(std::move(layer), static_cast<const vm_resource_options&>(options)),
-        pool_(vm_, options.pool) {}
+        pool_(vm_, options.pool),
+        large_(vm_.handle_bytes()) {}
 
   vm_pool_resource(const vm_pool_resource&) = delete;
   vm_pool_resource& operator=(const vm_pool_resource&) = delete;
@@ -123,6 +153,10 @@ class vm_pool_resource final : public memory_resource {
   [[nodiscard]] vm_pool_stats vm_stats() const {
     vm_pool_stats s;
     static_cast<vm_resource_stats&>(s) = vm_.vm_stats();
+    {
+      const std::lock_guard lock(large_mutex_);
+      s.large_used_bytes = large_used_;
+    }
     const resource_stats p = pool_.stats();
     s.pool_used_bytes = p.used_bytes;
     s.pool_free_bytes = p.free_bytes();
@@ -140,8 +174,11 @@ class vm_pool_resource final : public memory_resource {
 
  private:
   // A failure is re-reported from here, so the report's chain starts at the resource the
-  // caller used (this, then the upstream) and keeps the pool's cause.
+  // caller used (this, then the upstream) and keeps the cause.
   void* do_allocate(std::size_t bytes, std::size_t alignment, stream_view stream) override {
+    if (bytes >= large_) {
+      return allocate_large(bytes, alignment, &stream);
+    }
     try {
       return pool_.allocate(bytes, alignment, stream);
     } catch (const out_of_memory& e) {
@@ -149,6 +186,9 @@ class vm_pool_resource final : public memory_resource {
     }
   }
   void* do_allocate_sync(std::size_t bytes, std::size_t alignment) override {
+    if (bytes >= large_) {
+      return allocate_large(bytes, alignment, nullptr);
+    }
     try {
       return pool_.allocate(bytes, alignment);
     } catch (const out_of_memory& e) {
@@ -157,14 +197,85 @@ class vm_pool_resource final : public memory_resource {
   }
   void do_deallocate(void* p, std::size_t bytes, std::size_t alignment,
                      stream_view stream) noexcept override {
+    if (bytes >= large_) {
+      if (forget_large(p)) {
+        vm_.deallocate(p, bytes, alignment, stream);
+      }
+      return;
+    }
     pool_.deallocate(p, bytes, alignment, stream);
   }
   void do_deallocate_sync(void* p, std::size_t bytes, std::size_t alignment) noexcept override {
+    if (bytes >= large_) {
+      if (forget_large(p)) {
+        vm_.deallocate(p, bytes, alignment);
+      }
+      return;
+    }
     pool_.deallocate(p, bytes, alignment);
   }
+
+  /// A block of a handle or more, from the upstream; `stream` null: the synchronous form. If
+  /// the upstream cannot supply it, the pool gives back its wholly free chunks first.
+  void* allocate_large(std::size_t bytes, std::size_t alignment, const stream_view* stream) {
+    const auto ask = [&] {
+      return stream != nullptr ? allocate_checked(vm_, bytes, alignment, *stream)
+                               : allocate_checked(vm_, bytes, alignment);
+    };
+    void* p = nullptr;
+    try {
+      p = ask();
+    } catch (const out_of_memory& first) {
+      if (pool_.release() == 0) {
+        throw_out_of_memory(*this, bytes, alignment, "upstream " + first.report().cause);
+      }
+      try {
+        p = ask();
+      } catch (const out_of_memory& e) {
+        throw_out_of_memory(*this, bytes, alignment, "upstream " + e.report().cause);
+      }
+    }
+    try {
+      const std::lock_guard lock(large_mutex_);
+      large_blocks_.emplace(reinterpret_cast<std::uintptr_t>(p), bytes);
+      large_used_ += bytes;
+      large_peak_ = std::max(large_peak_, large_used_);
+    } catch (...) {  // no host memory to record it: give it back, nothing happened
+      vm_.deallocate(p, bytes, alignment);
+      throw;
+    }
+    return p;
+  }
+
+  /// The large block at `p` is being freed: true if it is one (forgotten now); else the free
+  /// is reported (the upstream's memory also holds the pool's chunks: never freed from here).
+  bool forget_large(const void* p) noexcept {
+    try {
+      const std::lock_guard lock(large_mutex_);
+      const auto it = large_blocks_.find(reinterpret_cast<std::uintptr_t>(p));
+      if (it != large_blocks_.end()) {
+        large_used_ -= it->second;
+        large_blocks_.erase(it);
+        return true;
+      }
+    } catch (...) {  // the mutex could not be locked: report below
+    }
+    report_problem(
+        "vm_pool_resource: deallocate of a block of a handle or more that it did not allocate, "
+        "or already freed (or a size other than the one allocated); ignored");
+    return false;
+  }
+
   bool do_is_equal(const memory_resource& other) const noexcept override { return this == &other; }
   std::string_view do_name() const noexcept override { return "vm_pool_resource"; }
-  resource_stats do_stats() const override { return pool_.stats(); }
+  resource_stats do_stats() const override {
+    resource_stats s = pool_.stats();
+    const std::lock_guard lock(large_mutex_);
+    s.reserved_bytes += large_used_;
+    s.used_bytes += large_used_;
+    s.peak_used_bytes += large_peak_;
+    return s;
+  }
   memory_resource* do_upstream() const noexcept override {
     return const_cast<vm_resource*>(&vm_);  // the chain a report walks: this, then the upstream
   }
@@ -196,6 +307,11 @@ class vm_pool_resource final : public memory_resource {
 
   vm_resource vm_;
   pool_resource pool_;
+  std::size_t large_;  ///< blocks of this many bytes or more are the upstream's (a handle)
+  mutable std::mutex large_mutex_;  ///< guards the three below
+  std::unordered_map<std::uintptr_t, std::size_t> large_blocks_;  ///< address -> bytes asked
+  std::size_t large_used_ = 0;
+  std::size_t large_peak_ = 0;
 };
 
 }  // namespace cudamem

@@ -28,24 +28,26 @@
 // - detail/vm/free_ranges.hpp    freed ranges stay mapped and free, merge with neighbours, and
 //                                serve the next request that fits at no driver cost
 // - detail/vm/placement.hpp      which free range a block goes to (best fit), and where in it
-// - detail/vm/compactor.hpp      when nothing fits: recycle idle handles to the frontier (only
-//                                what the request lacks, smallest free runs first), then create
-//                                handles; giving memory back
+// - detail/vm/compactor.hpp      when nothing fits: create handles while the device has room;
+//                                then recycle idle handles to the frontier (only what the
+//                                request lacks, smallest free runs first); giving memory back
 // - detail/vm/mapping.hpp, driver_mapping.hpp  the device behind one interface (the driver's
 //                                cuMem* calls, or a simulated device for GPU-free tests)
 // What a move costs, measured (bench_vmm_driver): cuMemMap ~1 µs, and cuMemSetAccess ~23-40 µs
 // *per handle* in the range whatever its size: giving access is paid per handle, not per byte.
-// Hence 64 MiB handles, moving only what is missing, and stale aliases instead of cuMemUnmap
-// (17-31 µs, unsafe while a kernel may read) on the allocation path.
+// Hence 64 MiB handles, growth before recycling, moving only what is missing, and stale
+// aliases instead of cuMemUnmap (17-31 µs, unsafe while a kernel may read) on the allocation
+// path.
 //
 // Contract (memory_resource.hpp's, plus)
 // - Construction: `vm_resource(device, options)` throws `no_device_error` with no device,
 //   `std::out_of_range` for a device or peer that does not exist, `vm_not_supported_error` on a
 //   device without VMM (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 0),
 //   `std::invalid_argument` for bad options (a peer that cannot reach the device, the device
-//   itself as a peer, handle_bytes 0, reservations_before_sweep 0, a null layer). The second
-//   constructor takes any mapping layer (tests pass `detail::simulated_vm_mapping`: no GPU needed). Each vm_resource maps on its own
-//   device; `peers` get read-write access to everything it maps.
+//   itself as a peer, handle_bytes 0, a physical_limit below one handle,
+//   reservations_before_sweep 0, a null layer). The second constructor takes any mapping
+//   layer (tests pass `detail::simulated_vm_mapping`: no GPU needed). Each vm_resource maps on
+//   its own device; `peers` get read-write access to everything it maps.
 // - Blocks are granule multiples, whole handles from `handle_bytes` up (a request is rounded up;
 //   `vm_stats().partial_granule_bytes` is that waste), aligned to the granule, or to any larger
 //   power-of-two alignment asked for.
@@ -53,10 +55,12 @@
 //   the mapping layer, so streams may be destroyed after freeing). A range freed on s and
 //   taken by a request on t makes t wait for that event (cudaStreamWaitEvent, no host wait).
 //   Recycling a handle freed on a stream waits *on the host* for that stream's last free
-//   (cudaEventSynchronize): the cost of moving memory that work may still touch. The
-//   synchronous forms wait on the host; a synchronous free promises the memory is idle, so a
-//   pool over this resource (which frees synchronously, after its own stream bookkeeping) never
-//   makes it wait.
+//   (cudaEventSynchronize): the cost of moving memory that work may still touch. So does
+//   merging neighbours freed on different streams when no single free range holds a request
+//   (the host waits for their streams, all but the request's own): cheaper than a compaction,
+//   which would wait for them too. After a host wait for a stream, everything freed on it is
+//   idle and merges with its neighbours. The synchronous forms wait on the host, and take an
+//   idle range before one with frees pending; a synchronous free promises the memory is idle.
 // - Physical memory is never unmapped while work may touch it: release(), the destructor and
 //   the address-space sweep wait on the host for every recorded free first.
 // - `release()` unmaps stale aliases and gives every wholly free handle back to the driver;
@@ -108,7 +112,8 @@ struct vm_resource_options {
   /// Size of each physical handle: the unit of growth and of recycling (rounded up to the
   /// granularity). Larger handles cost fewer driver calls per byte (giving access costs ~23 µs
   /// per handle); smaller ones strand less free memory next to live blocks, and a free hole
-  /// smaller than a handle cannot be recycled. Near the end of the device smaller ones are made.
+  /// smaller than a handle cannot be recycled. Every handle has this size, the last one too
+  /// (the device's last part-handle is left to the driver; see detail/vm/compactor.hpp).
   std::size_t handle_bytes = std::size_t{64} << 20;
   /// Least physical memory a growth creates (when the device has it): fewer, larger batches of
   /// driver calls. What is not needed yet stays mapped and free for the next request.
@@ -121,7 +126,8 @@ struct vm_resource_options {
   /// reservations of four times the device, is 4.4 TiB of address space for a 139 GiB device:
   /// far below the 128 TiB a process has, and enough that the bench's traces never sweep.
   std::size_t reservations_before_sweep = 8;
-  /// Most physical bytes it may hold; nullopt: as much as the device gives.
+  /// Most physical bytes it may hold, used in whole handles (at least one); nullopt: as much
+  /// as the device gives. Below the limit it grows before it recycles; at it, it recycles.
   std::optional<std::size_t> physical_limit;
   /// Other devices that get read-write access to its memory.
   std::vector<int> peers;
@@ -231,6 +237,8 @@ class vm_resource final : public memory_resource {
   }
 
   [[nodiscard]] std::size_t granularity() const noexcept { return config_.granule; }
+  /// The size of every physical handle: handle_bytes rounded up to the granularity.
+  [[nodiscard]] std::size_t handle_bytes() const noexcept { return config_.handle; }
   [[nodiscard]] const vm_resource_options& options() const noexcept { return options_; }
 
   /// The handles under the live block starting at `p`, for export (vm_ipc.hpp); see the
@@ -327,8 +335,11 @@ class vm_resource final : public memory_resource {
     if (void* p = take_fit(r, bytes, stream, sync)) {
       return p;
     }
+    // Growth first; then neighbours freed on other streams, merged by a host wait; then a
+    // compaction (detail/vm/compactor.hpp).
     std::string cause;
-    if (compactor_.make_room(r.needed, r.whole, cause)) {
+    if (compactor_.make_room(r.needed, r.whole, cause,
+                             [&] { return settle_run(r, stream, sync); })) {
       if (void* p = take_fit(r, bytes, stream, sync)) {
         return p;
       }
@@ -341,15 +352,17 @@ class vm_resource final : public memory_resource {
   /// `stream` (null with sync: for everyone); nullptr when none fits.
   void* take_fit(const detail::vm_request& r, std::size_t requested, cudaStream_t stream,
                  bool sync) {
-    const auto fit = detail::best_fit(free_, handles_, r);
+    const auto fit = detail::best_fit(free_, handles_, r, sync);
     if (!fit) {
       return nullptr;
     }
-    const auto node = free_.find(fit->range);
+    auto node = free_.find(fit->range);
     if (!node->second.complete) {
       if (sync) {
-        layer_->wait_for_free(node->second.stream);
-        node->second.complete = true;  // the host waited: the remnants are idle too
+        const cudaStream_t freed_on = node->second.stream;
+        layer_->wait_for_free(freed_on);
+        free_.mark_complete(freed_on);  // the host waited: all freed on it is idle, remnants too
+        node = free_.containing(fit->spot.start);  // it may have merged with its neighbours
       } else if (node->second.stream != stream) {
         layer_->order_after_free(stream, node->second.stream);
       }
@@ -361,6 +374,27 @@ class vm_resource final : public memory_resource {
     requested_bytes_ += requested;
     peak_used_bytes_ = std::max(peak_used_bytes_, used_bytes_);
     return reinterpret_cast<void*>(fit->spot.start);
+  }
+
+  /// No free range holds `r`, growth cannot give it, but adjacent ranges freed on different
+  /// streams may hold it together (detail/vm/placement.hpp, best_run): the host waits for
+  /// their streams, all but one (the request's own, if it is one: stream order covers it), and
+  /// they merge. True if they now hold it.
+  bool settle_run(const detail::vm_request& r, cudaStream_t stream, bool sync) {
+    const auto run = detail::best_run(free_, handles_, r);
+    if (!run) {
+      return false;
+    }
+    std::vector<cudaStream_t> pending = free_.pending_streams(run->start, run->end);
+    if (!sync && !pending.empty()) {
+      const auto own = std::find(pending.begin(), pending.end(), stream);
+      pending.erase(own != pending.end() ? own : pending.end() - 1);  // ordered on the device
+    }
+    for (const cudaStream_t s : pending) {
+      layer_->wait_for_free(s);
+      free_.mark_complete(s);
+    }
+    return detail::best_fit(free_, handles_, r).has_value();
   }
 
   void free_range_at(void* p, std::size_t bytes, cudaStream_t stream, bool sync) noexcept {

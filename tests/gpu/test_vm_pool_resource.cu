@@ -1,14 +1,19 @@
 // vm_pool_resource and vm_resource on a real device: stream order across compaction (a kernel
 // still reading a freed block whose physical memory is recycled, through the pool and through
-// the upstream alone), everything given back at destruction, real swiss cheese, peers, bad
-// input.
+// the upstream alone), everything given back at destruction, real swiss cheese, the mixed
+// trace's variants run twice on one pool (the second run keeps as much live as the first),
+// peers, bad input.
 #include <cudamem/stream.hpp>
 #include <cudamem/vm_pool_resource.hpp>
 #include <cudamem/vm_resource.hpp>
 
+#include "../../bench/support/fragmentation.hpp"
 #include "gpu_test.hpp"
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
+#include <cstdio>
 #include <vector>
 
 using namespace cudamem;
@@ -162,6 +167,43 @@ TEST_CASE("vm_pool (GPU): swiss cheese over the whole device reuses >= 0.99 of t
     }
   }
   CHECK(pool.release() > 0);
+}
+
+// Fills the device to the first failure (cuMemCreate answers CUDA_ERROR_OUT_OF_MEMORY) on
+// purpose, twice per variant. Prints each run's figures (the bench measures the time; this
+// checks the fractions): a line per variant, "cold F ns/op, warm F ns/op".
+TEST_CASE("vm_pool (GPU): a second run of the mixed trace keeps as much of the device live",
+          "[expected-api-error]") {
+  std::array<stream, 4> streams;
+  const auto on = [&](std::size_t s) { return stream_view{streams[s % streams.size()]}; };
+  for (const char* name : {"bench", "wide", "streams4"}) {
+    const auto& variants = cudamem_bench::mixed_variants();
+    const auto v = std::find_if(variants.begin(), variants.end(),
+                                [&](const auto& x) { return x.name == name; });
+    REQUIRE(v != variants.end());
+    const std::size_t free = cudamem_test::free_device_memory();
+    cudamem_bench::mixed_spec spec = v->make(free);
+    vm_pool_resource pool{0};
+    const auto alloc = [&](std::size_t n, std::size_t s) -> void* {
+      try {
+        return pool.allocate(n, 256, on(s));
+      } catch (const out_of_memory&) {
+        return nullptr;
+      }
+    };
+    const auto release = [&](void* p, std::size_t n, std::size_t s) {
+      pool.deallocate(p, n, 256, on(s));
+    };
+    const auto cold = cudamem_bench::mixed(spec, alloc, release);
+    const auto warm = cudamem_bench::mixed(spec, alloc, release);
+    std::printf("vm_pool mixed %-9s cold %.4f %6.0f ns/op, warm %.4f %6.0f ns/op\n", name,
+                cold.ratio, cold.ns_per_op, warm.ratio, warm.ns_per_op);
+    CAPTURE(name, cold.ratio, warm.ratio);
+    CHECK(cold.ratio >= 0.97);
+    CHECK(warm.ratio >= 0.97);
+    CHECK(warm.ratio >= cold.ratio);
+    CHECK(pool.stats().used_bytes == 0);
+  }
 }
 
 TEST_CASE("vm_pool (GPU): peers get access; bad devices and peers are refused") {

@@ -1,26 +1,34 @@
 // cudamem/detail/vm/compactor.hpp — how vm_resource makes room when no free range fits:
-// recycling idle handles to the frontier (a compaction), creating new ones, and giving memory
+// creating handles, then recycling idle ones to the frontier (a compaction); and giving memory
 // back.
 //
 //   vm_compactor compactor{layer, config, free, handles, space};
 //   std::string cause;
-//   if (!compactor.make_room(needed, whole, cause)) { ... out of memory: cause says why ... }
+//   if (!compactor.make_room(needed, whole, cause, merge_neighbours)) { ... cause says why ... }
 //   compactor.release_idle();                   // release(): idle handles go to the driver
 //
 // What it owns: the choices that cost driver calls, and the call counts that show them.
-// - Recycling first, and only what is missing. Handles that lie wholly in free memory are
-//   mapped again at the frontier, next to each other and to the free range already there, so
-//   they become one contiguous free range. Only as many as the request lacks are moved, from
-//   the smallest free runs first: a large free run serves later requests where it is, for
-//   nothing, while moving a handle costs the driver ~25-40 µs (a cuMemMap and the handle's
-//   share of cuMemSetAccess, which is paid per handle, not per byte: bench_vmm_driver). The
-//   host waits first for every stream whose frees cover the handles moved: after that their
-//   memory is idle wherever it is mapped next.
-// - Then growth, for what recycling cannot cover: physical memory in handles of
-//   `handle_bytes`, at least `growth_bytes` per growth while the device gives it (the calls
-//   and the one cuMemSetAccess are paid per growth, not per request), smaller handles near
-//   the end of the device, down to one granule. (Recycling first keeps the footprint at what
-//   is in use.)
+// - Growth first, while the device (and `physical_limit`) has room: physical memory in handles
+//   of `handle_bytes`, at least `growth_bytes` per growth (fewer, larger batches). A handle is
+//   created once; a recycled one would be moved again at the next shortfall, and each move
+//   costs the driver ~34 µs (a cuMemMap and the handle's share of cuMemSetAccess, which is
+//   paid per handle, not per byte: bench_vmm_driver). Every handle is `handle_bytes`, the
+//   last one too: the device's last part-handle stays with the driver, so that a free run of
+//   k handles holds the same blocks wherever it lies and however often it was reused (a
+//   smaller handle inside a run would change how many handles a block spans: the reason a
+//   second run of a trace used to strand more than the first). `physical_limit` bounds the
+//   footprint: past it, recycling only.
+// - Then, once growth cannot give what is missing, neighbours freed on different streams that
+//   together hold the request are merged by a host wait (vm_resource decides which: the
+//   `merge_neighbours` callable), and nothing moves.
+// - Then recycling, and only what is missing. Handles that lie
+//   wholly in free memory are mapped again at the frontier, next to each other and to the
+//   free range already there, so they become one contiguous free range. Only as many as the
+//   request lacks are moved, from the smallest free runs first: a large free run serves later
+//   requests where it is, for nothing. The host waits first for every stream whose frees
+//   cover the handles moved: after that their memory is idle wherever it is mapped next.
+//   Once the device has said "full", recycling comes first, and the device is probed (one
+//   create) only for what recycling cannot give.
 // - Everything new is mapped at the frontier with one cuMemSetAccess per batch. A failure
 //   half-way undoes the batch: new mappings go, fresh handles go back, recycled ones return
 //   to where they were.
@@ -72,6 +80,11 @@ struct vm_config {
     vm_config c;
     c.granule = layer->granularity();
     c.handle = round_up(o.handle_bytes, c.granule);
+    if (o.physical_limit && *o.physical_limit < c.handle) {
+      throw std::invalid_argument(
+          "cudamem::vm_resource: physical_limit is smaller than one handle (" +
+          std::to_string(c.handle) + " bytes): it could never map anything");
+    }
     c.growth = o.growth_bytes;
     c.limit = o.physical_limit.value_or(~std::size_t{0});
     c.reservation =
@@ -112,10 +125,15 @@ class vm_compactor {
   }
 
   /// Makes a free range of at least `needed` bytes at the frontier (`whole`: for a block of
-  /// whole handles, which starts at a handle's start): recycles idle handles, then creates
-  /// what is still missing. False (with `cause`, nothing changed) when even that is not
-  /// enough. Throws what the layer throws (nothing changed then either).
-  bool make_room(std::size_t needed, bool whole, std::string& cause) {
+  /// whole handles, which starts at a handle's start): creates handles while the device has
+  /// room; when that falls short, first calls `merge_neighbours()` (vm_resource: adjacent
+  /// ranges freed on different streams, merged by a host wait; true if they now hold the
+  /// request, and then nothing is recycled), then recycles idle handles. False (with `cause`,
+  /// nothing changed) when even that is not enough. Throws what the layer throws (nothing
+  /// changed then either).
+  template <class MergeNeighbours>
+  bool make_room(std::size_t needed, bool whole, std::string& cause,
+                 MergeNeighbours&& merge_neighbours) {
     const auto usable_at_frontier = [&] {
       const auto tail = free_.ending_at(space_.frontier());
       if (tail == free_.end()) {
@@ -148,33 +166,39 @@ class vm_compactor {
     }
     const std::size_t missing =
         vm_config::round_up(needed > have ? needed - have : 1, config_.granule);
-    // What recycling can give: the smallest free ranges' handles, just enough (a short walk);
-    // only if they do not add up, every free run, exactly (a walk of the whole index).
-    std::vector<recyclable_run> runs = smallest_recyclable(missing);
-    std::size_t recyclable = total_bytes(runs);
-    if (recyclable < missing) {
-      runs = recyclable_runs(true);
-      recyclable = total_bytes(runs);
-    }
-    const std::size_t required = missing > recyclable ? missing - recyclable : 0;
-    // 1. New physical memory for what recycling cannot cover.
+    // Growth first while the device has room; once it has said "full", recycling first, and
+    // a probe of the device only for what recycling cannot give (see the header).
     std::vector<moved_handle> all;
     std::size_t created = 0;
+    std::vector<recyclable_run> runs;
+    std::size_t recyclable = 0;
+    const bool growth_first = !handles_.device_full;
     try {
-      created = create_handles(required, all, cause);
+      if (growth_first) {
+        created = create_handles(missing, all, cause);
+      }
+      if (created < missing && merge_neighbours()) {
+        map_at_frontier(all, created);  // what growth gave stays free at the frontier
+        return true;
+      }
+      if (created < missing) {
+        recyclable = find_recyclable(missing - created, runs);
+        if (!growth_first && recyclable < missing) {
+          created = create_handles(missing - recyclable, all, cause);  // the probe
+        }
+      }
     } catch (...) {
       release_fresh(all);
       throw;
     }
-    if (created < required) {
+    if (created + recyclable < missing) {
       release_fresh(all);
       cause += " (" + format_bytes(recyclable) + " recyclable, " + format_bytes(have) +
                " free at the frontier, " + format_bytes(free_bytes_held()) +
                " free in all; recycling and growth both tried)";
       return false;
     }
-    handles_.device_full = handles_.device_full && created == 0;
-    // 2. Recycle: only when growth alone is not enough, and only what is missing.
+    // Recycle only what growth did not give.
     if (missing > created) {
       std::vector<moved_handle> recycled;
       try {
@@ -192,29 +216,7 @@ class vm_compactor {
         all.push_back(h);
       }
     }
-    // 3. Map everything at the frontier; set access once.
-    const std::uintptr_t start = space_.frontier();
-    std::size_t mapped = 0;
-    try {
-      for (const moved_handle& h : all) {
-        layer_.map(start + mapped, h.bytes, h.handle);
-        ++counts_.maps;
-        mapped += h.bytes;
-      }
-      layer_.set_access(start, mapped);
-      ++counts_.access_calls;
-    } catch (...) {
-      undo_mapping(all, mapped);
-      throw;
-    }
-    std::size_t offset = 0;
-    for (const moved_handle& h : all) {
-      handles_.add(start + offset, mapped_handle{h.handle, h.bytes});
-      offset += h.bytes;
-    }
-    handles_.mapped_bytes += created;
-    space_.advance(mapped);
-    free_.insert(start, {mapped, nullptr, true});
+    map_at_frontier(all, created);
     return true;
   }
 
@@ -278,49 +280,90 @@ class vm_compactor {
     return total;
   }
 
+  /// Maps `all` (fresh handles, `created` bytes of them, and recycled ones) side by side at
+  /// the frontier with one cuMemSetAccess, as one free range. On a failure the batch is
+  /// undone (see undo_mapping) and the error rethrown. Nothing to map: nothing happens.
+  void map_at_frontier(const std::vector<moved_handle>& all, std::size_t created) {
+    if (all.empty()) {
+      return;
+    }
+    const std::uintptr_t start = space_.frontier();
+    std::size_t mapped = 0;
+    try {
+      for (const moved_handle& h : all) {
+        layer_.map(start + mapped, h.bytes, h.handle);
+        ++counts_.maps;
+        mapped += h.bytes;
+      }
+      layer_.set_access(start, mapped);
+      ++counts_.access_calls;
+    } catch (...) {
+      undo_mapping(all, mapped);
+      throw;
+    }
+    std::size_t offset = 0;
+    for (const moved_handle& h : all) {
+      handles_.add(start + offset, mapped_handle{h.handle, h.bytes});
+      offset += h.bytes;
+    }
+    handles_.mapped_bytes += created;
+    space_.advance(mapped);
+    free_.insert(start, {mapped, nullptr, true});
+  }
+
   /// Creates handles for at least `required` bytes into `out`; returns the bytes created
-  /// (less than required, with `cause`, when the device or the limit says no). A growth
-  /// creates at least `growth` while the device gives it; near the end of the device smaller
-  /// handles are made, down to one granule. Once the device has said "full", one probe per
-  /// shortfall.
+  /// (less than required, with `cause`, when the device or the limit says no). Every handle
+  /// is `handle` bytes: then any free run of k handles holds the same blocks wherever it lies,
+  /// and a run that has been freed and reused many times places a block exactly as a fresh
+  /// one would (a smaller handle in the middle of a run would change how many handles a
+  /// block spans). So the device's last part-handle is left to the driver. A growth creates
+  /// at least `growth` bytes while the device gives them; once it has said "full", only what
+  /// is required (usually one failing call: the probe).
   std::size_t create_handles(std::size_t required, std::vector<moved_handle>& out,
                              std::string& cause) {
-    const std::size_t granule = config_.granule;
     const std::size_t handle = config_.handle;
-    // Whole handles: what is created beyond the request stays free for the next one.
-    const std::size_t wanted = required == 0 || handles_.device_full
-                                   ? required
-                                   : std::max(vm_config::round_up(required, handle),
-                                              vm_config::round_up(config_.growth, handle));
-    std::size_t piece =
-        handles_.device_full ? std::min(handle, vm_config::round_up(required, granule)) : handle;
+    const std::size_t wanted =
+        required == 0 ? 0
+        : handles_.device_full
+            ? vm_config::round_up(required, handle)
+            : std::max(vm_config::round_up(required, handle),
+                       vm_config::round_up(config_.growth, handle));
     std::size_t created = 0;
     while (created < wanted) {
-      const std::size_t held = handles_.mapped_bytes + created;
-      if (held + piece > config_.limit) {
-        piece = config_.limit > held ? (config_.limit - held) / granule * granule : 0;
-        if (piece == 0) {
+      if (handles_.mapped_bytes + created + handle > config_.limit) {
+        if (created < required) {
           cause = "the physical limit (" + format_bytes(config_.limit) + ") is reached";
-          break;
         }
+        break;
       }
       out.reserve(out.size() + 1);  // so the push below cannot throw and leak the handle
-      if (const auto h = layer_.create(piece)) {
-        out.push_back({*h, piece, 0});
-        handles_.smallest = std::min(handles_.smallest, piece);
-        created += piece;
-        ++counts_.handles_created;
-      } else if (created >= required) {
-        break;  // what was needed is there; the extra is not
-      } else if (handles_.device_full || piece == granule) {
-        handles_.device_full = true;
-        cause = "the device has no physical memory left";
+      const auto h = layer_.create(handle);
+      handles_.device_full = !h;
+      if (!h) {
+        if (created < required) {
+          cause = "the device has no physical memory left";
+        }
         break;
-      } else {
-        piece = std::max(granule, piece / 2 / granule * granule);
       }
+      out.push_back({*h, handle, 0});
+      created += handle;
+      ++counts_.handles_created;
     }
     return created;
+  }
+
+  /// Free runs whose whole handles add up to `wanted` bytes, into `runs`: the smallest free
+  /// ranges first, just enough (a short walk); only if they do not add up, every free run,
+  /// exactly (a walk of the whole index). Returns their bytes (less than wanted when there
+  /// are not enough).
+  std::size_t find_recyclable(std::size_t wanted, std::vector<recyclable_run>& runs) {
+    runs = smallest_recyclable(wanted);
+    std::size_t recyclable = total_bytes(runs);
+    if (recyclable < wanted) {
+      runs = recyclable_runs(true);
+      recyclable = total_bytes(runs);
+    }
+    return recyclable;
   }
 
   /// Every free run holding a whole handle, in address order (one walk of the free ranges).
@@ -343,13 +386,13 @@ class vm_compactor {
 
   /// Free ranges holding whole handles, smallest first, until their handles add up to
   /// `wanted` bytes (fewer if there are not enough); the frontier's tail is left out. Ranges
-  /// smaller than the smallest handle ever made hold none and are not looked at.
+  /// smaller than a handle hold none and are not looked at.
   [[nodiscard]] std::vector<recyclable_run> smallest_recyclable(std::size_t wanted) {
     const auto tail = free_.ending_at(space_.frontier());
     const std::uintptr_t tail_start = tail != free_.end() ? tail->first : 0;
     std::vector<recyclable_run> runs;
     std::size_t total = 0;
-    for (auto it = free_.smallest_from(handles_.smallest); it != free_.size_end() && total < wanted;
+    for (auto it = free_.smallest_from(config_.handle); it != free_.size_end() && total < wanted;
          ++it) {
       const std::uintptr_t begin = it->second;
       if (begin == tail_start) {
@@ -396,6 +439,7 @@ class vm_compactor {
     }
     for (cudaStream_t s : pending) {
       layer_.wait_for_free(s);  // recycled memory must be idle wherever it is mapped next
+      free_.mark_complete(s);   // and so is everything else freed on s
     }
     return out;
   }

@@ -11,7 +11,8 @@
 // waited). Tags decide merging: two address neighbours merge when they were freed on the same
 // stream or one of them is complete, and the merged range then waits for the other's stream —
 // never less than needed. Ranges freed on different streams, both pending, stay apart, so a
-// request on one stream never waits for another's work without cause.
+// request on one stream never waits for another's work without cause; once the host has
+// waited for a stream (mark_complete), its ranges are idle and merge with their neighbours.
 // The index does not know about handles or the frontier: vm_resource and the compactor
 // (detail/vm/compactor.hpp) decide what to take; this keeps both orders exact.
 //
@@ -52,6 +53,9 @@ class free_range_index {
   [[nodiscard]] by_address::iterator begin() noexcept { return by_address_.begin(); }
   [[nodiscard]] by_address::iterator end() noexcept { return by_address_.end(); }
   [[nodiscard]] by_address::iterator find(std::uintptr_t address) {
+    return by_address_.find(address);
+  }
+  [[nodiscard]] by_address::const_iterator find(std::uintptr_t address) const {
     return by_address_.find(address);
   }
 
@@ -136,11 +140,41 @@ class free_range_index {
     }
   }
 
-  /// The host has waited for every free: every range is idle.
+  /// The host has waited for the last free recorded on `stream`: every range freed on it is
+  /// idle. They are marked complete, and merged with the neighbours they may merge with now
+  /// (two pending streams' ranges that met stayed apart; once one is idle they are one range,
+  /// and a request that needs both fits without a move).
+  void mark_complete(cudaStream_t stream) noexcept {
+    settle([stream](const free_range& r) { return r.stream == stream; });
+  }
+
+  /// The host has waited for every free: every range is idle (and merged with its neighbours).
   void mark_all_complete() noexcept {
-    for (auto& [address, range] : by_address_) {
-      range.complete = true;
+    settle([](const free_range&) { return true; });
+  }
+
+  /// The streams whose frees in the ranges starting in [begin, end) are pending, each once.
+  [[nodiscard]] std::vector<cudaStream_t> pending_streams(std::uintptr_t begin,
+                                                          std::uintptr_t end) const {
+    std::vector<cudaStream_t> streams;
+    for (auto it = by_address_.lower_bound(begin); it != by_address_.end() && it->first < end;
+         ++it) {
+      if (!it->second.complete &&
+          std::find(streams.begin(), streams.end(), it->second.stream) == streams.end()) {
+        streams.push_back(it->second.stream);
+      }
     }
+    return streams;
+  }
+
+  /// The free range holding `address`, or end().
+  [[nodiscard]] by_address::iterator containing(std::uintptr_t address) {
+    auto it = by_address_.upper_bound(address);
+    if (it == by_address_.begin()) {
+      return by_address_.end();
+    }
+    --it;
+    return address < it->first + it->second.bytes ? it : by_address_.end();
   }
 
   /// The free range that ends at `frontier` (new mappings extend it), or end().
@@ -177,6 +211,30 @@ class free_range_index {
   static free_range merged(const free_range& a, const free_range& b) noexcept {
     const free_range& tag = a.complete ? b : a;
     return {a.bytes + b.bytes, tag.stream, a.complete && b.complete};
+  }
+
+  /// Marks complete every range `idle` says the host has waited for, then merges address
+  /// neighbours that may merge now. Reuses the size index's nodes: allocates nothing.
+  template <class Idle>
+  void settle(Idle&& idle) noexcept {
+    for (auto& [address, range] : by_address_) {
+      if (!range.complete && idle(range)) {
+        range.complete = true;
+      }
+    }
+    for (auto it = by_address_.begin(); it != by_address_.end(); ++it) {
+      for (auto next = std::next(it); next != by_address_.end() &&
+                                      it->first + it->second.bytes == next->first &&
+                                      mergeable(it->second, next->second);
+           next = std::next(it)) {
+        auto node = by_size_.extract({it->second.bytes, it->first});
+        by_size_.erase({next->second.bytes, next->first});
+        it->second = merged(it->second, next->second);
+        by_address_.erase(next);
+        node.value() = {it->second.bytes, it->first};
+        by_size_.insert(std::move(node));
+      }
+    }
   }
 
   by_address by_address_;

@@ -16,9 +16,8 @@
 // - Stale aliases: the old address of a recycled handle stays mapped (a cuMemUnmap costs
 //   17-31 µs and is unsafe while a kernel may read) until release(), destruction, or an
 //   address-space sweep unmaps it.
-// - Physical accounting: bytes held, the smallest handle ever made (a free range smaller than
-//   that holds none and need not be looked at), and whether the last growth found the device
-//   full (then one probe per shortfall, not a ladder of failing calls).
+// - Physical accounting: bytes held, and whether the device said "full" at the last create
+//   (then recycling comes first, and the device is probed only for what it cannot give).
 //
 // Not thread-safe: vm_resource's mutex guards it.
 #pragma once
@@ -135,8 +134,7 @@ class handle_set {
 
   std::vector<vm_alias> stale;                   ///< retired aliases to unmap later
   std::size_t mapped_bytes = 0;                  ///< physical memory held
-  std::size_t smallest = ~std::size_t{0};        ///< smallest handle ever created
-  bool device_full = false;                      ///< the last growth found the device full
+  bool device_full = false;                      ///< the last create found the device full
 
  private:
   map_type by_address_;  ///< current address -> handle

@@ -13,6 +13,9 @@
 //   recycled (the rest of its last handle is waste while it lives).
 // - Smaller blocks, and blocks with an alignment above the granule, go at granule precision
 //   at the start of the range, so best fit packs them into handles already shared.
+// - A synchronous request prefers an idle range (no host wait) to a pending one.
+// - When no range holds a block, the smallest run of adjacent ranges (freed on different
+//   streams) that does: waiting for those streams merges it (vm_resource does the waiting).
 #pragma once
 
 #include <cudamem/detail/vm/free_ranges.hpp>
@@ -62,16 +65,44 @@ struct vm_fit {
   return vm_placement{start, start + r.size};
 }
 
-/// The best-fitting free range for the request, or nullopt when none holds it.
+/// The best-fitting free range for the request, or nullopt when none holds it. With
+/// `prefer_idle` (a synchronous request, which would wait on the host for a range's pending
+/// frees), the best-fitting idle range, and a pending one only when no idle one holds it.
 [[nodiscard]] inline std::optional<vm_fit> best_fit(const free_range_index& free,
                                                    const handle_set& handles,
-                                                   const vm_request& r) {
+                                                   const vm_request& r,
+                                                   bool prefer_idle = false) {
+  std::optional<vm_fit> pending;
   for (auto it = free.smallest_from(r.needed); it != free.size_end(); ++it) {
     if (const auto spot = place(handles, it->second, it->second + it->first, r)) {
-      return vm_fit{it->second, *spot};
+      if (!prefer_idle || free.find(it->second)->second.complete) {
+        return vm_fit{it->second, *spot};
+      }
+      if (!pending) {
+        pending = vm_fit{it->second, *spot};
+      }
     }
   }
-  return std::nullopt;
+  return pending;
+}
+
+/// When no free range holds the request: the smallest run of address-adjacent free ranges that
+/// does, or nullopt. Such a run is ranges freed on different streams, kept apart while both are
+/// pending; once the host has waited for their streams they are one range. That is cheaper
+/// than a compaction, which would wait for the streams of the handles it moves, and move them.
+[[nodiscard]] inline std::optional<vm_placement> best_run(const free_range_index& free,
+                                                         const handle_set& handles,
+                                                         const vm_request& r) {
+  std::optional<vm_placement> best;
+  free.for_each_run([&](std::uintptr_t begin, std::uintptr_t end) {
+    if (end - begin < r.needed || (best && end - begin >= best->end - best->start)) {
+      return;
+    }
+    if (place(handles, begin, end, r)) {
+      best = vm_placement{begin, end};
+    }
+  });
+  return best;
 }
 
 }  // namespace cudamem::detail
