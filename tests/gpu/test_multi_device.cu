@@ -14,6 +14,7 @@
 #include <cudamem/stream.hpp>
 
 #include "gpu_test.hpp"
+#include "late_fill.cuh"
 
 #include <stdexcept>
 #include <thread>
@@ -21,6 +22,7 @@
 
 using namespace cudamem;
 using cudamem_test::captured_errors;
+using cudamem_test::late_fill;
 
 namespace {
 
@@ -28,21 +30,6 @@ __global__ void fill_with(device_span<int> x, int value) {
   const std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x;
   if (i < x.size()) {
     x[i] = value;
-  }
-}
-
-/// Waits `ns` on the GPU (one thread), then writes `value` everywhere: a late producer.
-__global__ void late_fill(device_span<int> x, int value, unsigned long long ns) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    unsigned long long start = 0;
-    unsigned long long now = 0;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < ns);
-    for (std::size_t i = 0; i < x.size(); ++i) {
-      x[i] = value;
-    }
   }
 }
 

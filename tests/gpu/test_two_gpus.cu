@@ -18,6 +18,7 @@
 
 #include "child_process.hpp"
 #include "gpu_test.hpp"
+#include "late_fill.cuh"
 #include "ipc_protocol.hpp"
 
 #include <algorithm>
@@ -32,6 +33,7 @@ CUDAMEM_TEST_NEEDS_DEVICES(2)
 
 using namespace cudamem;
 using cudamem_test::captured_errors;
+using cudamem_test::late_fill;
 
 namespace {
 
@@ -48,21 +50,6 @@ __global__ void add_one(device_span<int> x) {
   const std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x;
   if (i < x.size()) {
     x[i] += 1;
-  }
-}
-
-/// Waits `ns` on the GPU, then writes `value` everywhere: a late producer.
-__global__ void late_fill(device_span<int> x, int value, unsigned long long ns) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) {
-    unsigned long long start = 0;
-    unsigned long long now = 0;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    do {
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    } while (now - start < ns);
-    for (std::size_t i = 0; i < x.size(); ++i) {
-      x[i] = value;
-    }
   }
 }
 
