@@ -24,6 +24,10 @@
 //   memory_resource.hpp: the resource hands the bytes to later work on `stream` at once and to
 //   other streams only once those kernels are done. No device-wide synchronisation, no host
 //   wait.
+// - Under stream capture the storage is graph memory instead (cudaMallocAsync / cudaFreeAsync
+//   on the capturing stream: allocation and free nodes the graph owns), and `mr` is not asked:
+//   a resource would take the block back at capture time, before the graph has run
+//   (detail/interop/graph_temporary.hpp says why).
 // - A query that answers 0 bytes still gets a non-null pointer (1 byte is asked for): CUB
 //   reads a null pointer as "query only", so passing one again would silently skip the work.
 // - Errors: a call returning anything but cudaSuccess throws `cuda_error` naming the phase
@@ -37,6 +41,7 @@
 #pragma once
 
 #include <cudamem/detail/interop/device_accessible.hpp>
+#include <cudamem/detail/interop/graph_temporary.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/stream.hpp>
@@ -65,9 +70,16 @@ class temp_storage_block {
  public:
   temp_storage_block(memory_resource& mr, std::size_t bytes, stream_view stream,
                      const std::source_location& where)
-      : mr_(&mr), stream_(stream), bytes_(bytes),
-        ptr_(mr.allocate(bytes, default_alignment, stream, where)) {}
-  ~temp_storage_block() { mr_->deallocate(ptr_, bytes_, default_alignment, stream_); }
+      : mr_(&mr), stream_(stream), bytes_(bytes), in_graph_(is_capturing(stream)),
+        ptr_(in_graph_ ? allocate_graph_temporary(bytes, stream, "with_temp_storage")
+                       : mr.allocate(bytes, default_alignment, stream, where)) {}
+  ~temp_storage_block() {
+    if (in_graph_) {
+      free_graph_temporary(ptr_, stream_);
+    } else {
+      mr_->deallocate(ptr_, bytes_, default_alignment, stream_);
+    }
+  }
   temp_storage_block(const temp_storage_block&) = delete;
   temp_storage_block& operator=(const temp_storage_block&) = delete;
 
@@ -77,6 +89,7 @@ class temp_storage_block {
   memory_resource* mr_;
   stream_view stream_;
   std::size_t bytes_;
+  bool in_graph_;  ///< graph memory: the stream was capturing (graph_temporary.hpp)
   void* ptr_;
 };
 

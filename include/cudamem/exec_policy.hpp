@@ -40,6 +40,16 @@
 //   synchronising `s` (thrust's own iterators copy on thrust's default stream: with a
 //   blocking `s`, the default kind of `cudamem::stream`, the legacy default stream waits for
 //   it; with a non-blocking one, synchronise first).
+// - Under stream capture (the stream is capturing when thrust asks for a temporary), the
+//   temporary is graph memory instead: cudaMallocAsync / cudaFreeAsync on the capturing stream
+//   become allocation and free nodes of the graph, which owns the memory each time it runs.
+//   `mr` is not asked. Why: a resource's free returns the block at once, at capture time, and
+//   the graph runs later, perhaps many times — a pool would hand the block to other work while
+//   the graph still uses it (compute-sanitizer reports exactly that: the graph's kernels
+//   touch a block the pool has freed; detail/interop/graph_temporary.hpp says more). A
+//   temporary is allocated and freed within one thrust call, so both happen in the same
+//   capture; the allocator used by hand must keep that rule. Outside capture the check is
+//   one cudaStreamIsCapturing per allocation and per free.
 // - The resource's kind must be device-accessible (device, managed, pinned):
 //   `std::invalid_argument` otherwise, when the policy or allocator is made. A failed
 //   allocation throws the resource's `out_of_memory` out of the thrust call; thrust frees the
@@ -52,6 +62,7 @@
 #pragma once
 
 #include <cudamem/detail/interop/device_accessible.hpp>
+#include <cudamem/detail/interop/graph_temporary.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/stream.hpp>
 
@@ -83,12 +94,21 @@ class thrust_temporary_allocator {
         stream_(stream),
         where_(where) {}
 
-  /// `bytes` bytes of temporary storage (nullptr for 0), usable by work on the stream.
+  /// `bytes` bytes of temporary storage (nullptr for 0), usable by work on the stream; graph
+  /// memory while the stream is capturing.
   [[nodiscard]] std::byte* allocate(std::size_t bytes) {
+    if (bytes != 0 && detail::is_capturing(stream_)) {
+      return static_cast<std::byte*>(
+          detail::allocate_graph_temporary(bytes, stream_, "thrust_temporary_allocator"));
+    }
     return static_cast<std::byte*>(mr_->allocate(bytes, alignment, stream_, where_));
   }
   /// Gives back what `allocate(bytes)` returned; its last use was submitted to the stream.
   void deallocate(std::byte* p, std::size_t bytes) noexcept {
+    if (p != nullptr && detail::is_capturing(stream_)) {
+      detail::free_graph_temporary(p, stream_, where_);
+      return;
+    }
     mr_->deallocate(p, bytes, alignment, stream_);
   }
 

@@ -42,9 +42,9 @@
 // - `export_pointer(p)` returns an `ipc_pointer` (trivially copyable, any channel) for `p`, the
 //   start of an allocation this resource made and has not freed; anything else throws
 //   `std::invalid_argument` (a pointer the exporter never gave), before CUDA is asked. The
-//   allocation must have happened: synchronise the stream it was made on first (as above);
-//   cudaMemPoolExportPointer refuses a stream-ordered allocation still pending with
-//   cudaErrorInvalidValue, which export_pointer throws as `cuda_error`.
+//   pool must have been exported first: CUDA shares allocations only of a pool already shared
+//   (cudaMemPoolExportPointer fails with a bare cudaErrorInvalidValue otherwise, seen on the
+//   H100), so export_pointer before any export_pool throws `std::logic_error` saying so.
 // - The memory stays valid in the exporter until it frees it, whatever the importer does or
 //   whether it is still alive. CUDA's rule: every importer must have freed (unmapped) its
 //   import before the exporter frees the allocation: wait for the importer to say so, or to be
@@ -183,11 +183,17 @@ class ipc_pool_resource final : public memory_resource {
     int fd = -1;
     check(cudaMemPoolExportToShareableHandle(&fd, pool_, cudaMemHandleTypePosixFileDescriptor, 0),
           "cudaMemPoolExportToShareableHandle");
+    exported_.store(true, std::memory_order_release);
     return {unique_fd{fd}, descriptor_};
   }
 
   /// The token for `p`, an allocation of this resource not yet freed; else std::invalid_argument.
   [[nodiscard]] ipc_pointer export_pointer(const void* p) const {
+    if (!exported_.load(std::memory_order_acquire)) {
+      throw std::logic_error(
+          "cudamem: ipc_pool_resource::export_pointer: call export_pool() first (CUDA exports "
+          "allocations only of a pool that has been shared)");
+    }
     ipc_pointer token;
     {
       const std::lock_guard lock(mutex_);
@@ -271,6 +277,7 @@ class ipc_pool_resource final : public memory_resource {
   ipc_pool_descriptor descriptor_;
   mutable std::mutex mutex_;
   std::unordered_map<const void*, std::size_t> live_;  ///< what export_pointer may export
+  mutable std::atomic<bool> exported_{false};           ///< export_pool has succeeded once
   detail::usage_counter usage_;
 };
 

@@ -11,6 +11,7 @@
 #include <cudamem/stream.hpp>
 
 #include "gpu_test.hpp"
+#include "graph_nodes.hpp"
 
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_reduce.cuh>
@@ -25,6 +26,7 @@
 #include <vector>
 
 using namespace cudamem;
+using cudamem_test::count_nodes;
 
 namespace {
 
@@ -141,4 +143,51 @@ TEST_CASE("with_temp_storage: a failed allocation never runs the call; a CUB err
                   std::invalid_argument);
   CHECK(calls == 0);
   s.synchronize();
+}
+
+TEST_CASE("with_temp_storage under stream capture: the graph owns the storage, the pool is not asked") {
+  device_resource device;
+  pool_resource pool{device};
+  statistics_adaptor counted{pool};
+  stream s{{.non_blocking = true}};
+  const std::size_t n = 1 << 16;
+  const std::vector<std::uint32_t> host = random_values(n, 11, 1u << 30);
+  device_buffer<std::uint32_t> in(host, s, pool);
+  device_buffer<std::uint32_t> out(n, s, pool);
+  s.synchronize();
+
+  check(cudaStreamBeginCapture(s.get(), cudaStreamCaptureModeGlobal));
+  std::size_t bytes = 0;
+  bool ran = true;
+  try {
+    bytes = with_temp_storage(counted, s, [&](void* temp, std::size_t& size) {
+      return cub::DeviceRadixSort::SortKeys(temp, size, in.data(), out.data(),
+                                            static_cast<int>(n), 0, 32, s.get());
+    });
+  } catch (const std::exception& e) {
+    ran = false;
+    INFO("with_temp_storage under capture threw: " << e.what());
+  }
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(s.get(), &graph);
+  REQUIRE(ran);
+  REQUIRE(ended == cudaSuccess);
+  CHECK(bytes > 0);
+  CHECK(counted.counters().allocations == 0);
+  CHECK(count_nodes(graph, cudaGraphNodeTypeMemAlloc) == 1);
+  CHECK(count_nodes(graph, cudaGraphNodeTypeMemFree) == 1);
+
+  // Work that takes pool memory before the graph runs keeps its contents.
+  device_buffer<std::uint32_t> other(n, 5u, s, counted);
+  cudaGraphExec_t exec = nullptr;
+  check(cudaGraphInstantiate(&exec, graph, 0));
+  check(cudaGraphLaunch(exec, s.get()));
+  check(cudaGraphLaunch(exec, s.get()));  // twice: each launch has its storage
+  std::vector<std::uint32_t> expected = host;
+  std::sort(expected.begin(), expected.end());
+  CHECK(to_host(out, s) == expected);
+  CHECK(to_host(other, s) == std::vector<std::uint32_t>(n, 5));
+  check(cudaGraphExecDestroy(exec));
+  check(cudaGraphDestroy(graph));
+  check(cudaDeviceGraphMemTrim(current_device()));
 }

@@ -13,6 +13,7 @@
 #include <cudamem/thrust_allocator.hpp>
 
 #include "gpu_test.hpp"
+#include "graph_nodes.hpp"
 
 #include <thrust/copy.h>
 #include <thrust/device_vector.h>
@@ -28,6 +29,7 @@
 #include <vector>
 
 using namespace cudamem;
+using cudamem_test::count_nodes;
 
 namespace {
 
@@ -142,11 +144,12 @@ TEST_CASE("thrust_allocator: a device_vector's memory and its own work go throug
   s.synchronize();
 }
 
-TEST_CASE("exec_policy: under stream capture a sort records into a graph (no cudaMalloc, cudaFree or sync on the way)") {
+TEST_CASE("exec_policy: under stream capture a sort records into a graph that owns its temporaries") {
   // A capturing stream refuses cudaFree, cudaStreamSynchronize and every call that would
-  // synchronise the device, in this thread (global mode). thrust's default policy takes and
-  // returns its temporaries with cudaMalloc/cudaFree and synchronises after the sort; under
-  // exec_policy the whole sort must be capturable.
+  // synchronise the device, in this thread (global mode): thrust's default policy, which
+  // takes temporaries with cudaMalloc, cannot be captured. Under exec_policy the sort is
+  // captured, and its temporaries become the graph's own memory (allocation and free nodes):
+  // a pool's blocks would go back to the pool at capture time, before the graph has run.
   device_resource device;
   pool_resource pool{device};
   statistics_adaptor counted{pool};
@@ -154,9 +157,7 @@ TEST_CASE("exec_policy: under stream capture a sort records into a graph (no cud
   const std::size_t n = 1 << 16;
   const std::vector<std::uint32_t> host = random_keys(n, 2);
   device_vector<std::uint32_t> keys(host.begin(), host.end(), thrust_allocator<std::uint32_t>{counted, s});
-  device_vector<std::uint32_t> warm(host.begin(), host.end(), thrust_allocator<std::uint32_t>{counted, s});
-  thrust::sort(exec_policy(counted, s), warm.begin(), warm.end());  // the pool now holds the
-  s.synchronize();                                                  // temporaries' memory
+  s.synchronize();
 
   const std::size_t allocations_before = counted.counters().allocations;
   check(cudaStreamBeginCapture(s.get(), cudaStreamCaptureModeGlobal));
@@ -171,18 +172,30 @@ TEST_CASE("exec_policy: under stream capture a sort records into a graph (no cud
   const cudaError_t ended = cudaStreamEndCapture(s.get(), &graph);
   REQUIRE(sorted_without_error);
   REQUIRE(ended == cudaSuccess);
-  CHECK(counted.counters().allocations > allocations_before);  // the temporaries, while capturing
-  // The memory the graph uses went back to the pool at capture time; nothing else allocates
-  // from it before the graph has run.
+  CHECK(counted.counters().allocations == allocations_before);  // the pool was not asked
+
+  const std::size_t allocation_nodes = count_nodes(graph, cudaGraphNodeTypeMemAlloc);
+  CHECK(allocation_nodes > 0);
+  CHECK(count_nodes(graph, cudaGraphNodeTypeMemFree) == allocation_nodes);  // all freed inside
+
+  // Other work takes memory from the pool before the graph runs: had the temporaries been
+  // pool blocks, freed at capture time, `other` would now hold them and the graph would sort
+  // through its contents. The graph runs twice; `other` stays intact.
+  device_vector<std::uint32_t> other(n, 0xffffffffu, thrust_allocator<std::uint32_t>{counted, s});
   cudaGraphExec_t exec = nullptr;
   check(cudaGraphInstantiate(&exec, graph, 0));
-  check(cudaGraphLaunch(exec, s.get()));
-  s.synchronize();
-  check(cudaGraphExecDestroy(exec));
-  check(cudaGraphDestroy(graph));
   std::vector<std::uint32_t> expected = host;
   std::sort(expected.begin(), expected.end());
-  CHECK(to_host(keys, s) == expected);
+  for (int run = 0; run < 2; ++run) {
+    check(cudaMemcpyAsync(thrust::raw_pointer_cast(keys.data()), host.data(),
+                          n * sizeof(std::uint32_t), cudaMemcpyHostToDevice, s.get()));
+    check(cudaGraphLaunch(exec, s.get()));
+    CHECK(to_host(keys, s) == expected);
+  }
+  CHECK(to_host(other, s) == std::vector<std::uint32_t>(n, 0xffffffffu));
+  check(cudaGraphExecDestroy(exec));
+  check(cudaGraphDestroy(graph));
+  check(cudaDeviceGraphMemTrim(current_device()));  // the graph's memory back to the device
 }
 
 TEST_CASE("exec_policy: nothing leaks when an allocation inside a thrust algorithm fails") {

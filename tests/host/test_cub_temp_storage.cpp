@@ -9,6 +9,7 @@
 #include <cudamem/out_of_memory.hpp>
 
 #include "fake_device_memory.hpp"
+#include "hidden_devices.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -59,6 +60,7 @@ static_assert(two_phase_call<fake_cub_call>);
 static_assert(!two_phase_call<int (*)(void*, std::size_t&)>);  // must return cudaError_t
 
 TEST_CASE("with_temp_storage: query, allocate the answer, run with it, free it on the stream") {
+  REQUIRE(cudamem_test::devices_hidden);  // the stream handle here is made up
   fake_device_memory mr;
   fake_cub_call call{5000};
   CHECK(with_temp_storage(mr, stream_a, call) == 5000);

@@ -11,6 +11,7 @@
 #include <cudamem/tracking_adaptor.hpp>
 
 #include "fake_device_memory.hpp"
+#include "hidden_devices.hpp"
 
 #include <catch2/catch.hpp>
 
@@ -39,6 +40,7 @@ static_assert(thrust_allocator<char>::alignment == default_alignment);
 static_assert(thrust_allocator<std::max_align_t>::alignment >= alignof(std::max_align_t));
 
 TEST_CASE("thrust_temporary_allocator: bytes from the resource, 256-aligned, freed on its stream") {
+  REQUIRE(cudamem_test::devices_hidden);  // the stream handles here are made up
   fake_device_memory mr;
   thrust_temporary_allocator temp{mr, stream_a};
   std::byte* p = temp.allocate(1000);
