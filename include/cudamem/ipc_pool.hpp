@@ -19,7 +19,7 @@
 //   cudamem::imported_pool pool{std::move(r.fds[0]), r.payload_as<cudamem::ipc_pool_descriptor>()};
 //   cudamem::imported_pointer p = pool.import(token);        // the exporter's memory, mapped
 //   kernel<<<g, b, 0, s.get()>>>(p.span<float>());
-//   // p's destructor unmaps it (cudaFree); pool's destructor closes the import.
+//   // p's destructor unmaps it (waits for the device, frees); pool's closes the import.
 //
 // Why. CUDA's pools can be shared (cudaMemPoolExportToShareableHandle, cudaMemPoolExportPointer,
 // and the import functions), but each side must release in the right order and on every path:
@@ -64,9 +64,10 @@
 //   fd that is not a pool handle: `cuda_error` from CUDA.
 // - `import(token)` maps one exported allocation (cudaMemPoolImportPointer) and returns its
 //   owner, `imported_pointer`: `get()`, `bytes()`, `span<T>()`; its destructor frees the
-//   mapping (cudaFree, which completes before it returns, as CUDA requires before the exporter
-//   frees). A token of another pool throws `ipc_error`; one CUDA does not know (a pointer the
-//   exporter never exported, or already freed) `cuda_error`.
+//   mapping as cudaFree would (waits for the device, then frees, complete before it returns,
+//   as CUDA requires before the exporter frees). A token of another pool throws `ipc_error`;
+//   one CUDA does not know (a pointer the exporter never exported, or already freed)
+//   `cuda_error`.
 // - The imported_pool must outlive its imported_pointers (its destructor reports any left).
 //   Both are move-only; the destructors are noexcept and report failures to the error handler.
 #pragma once
@@ -318,13 +319,20 @@ class imported_pointer {
     return {static_cast<T*>(ptr_), bytes_ / sizeof(T)};
   }
 
-  /// Unmaps now (cudaFree, complete on return); the owner is left empty.
+  /// Unmaps now (complete on return, after all work on the device); the owner is left empty.
   void reset() noexcept {
     if (ptr_ == nullptr) {
       return;
     }
     const detail::quiet_device_scope on{device_, "imported_pointer: switching device to free"};
-    report_error(cudaFree(ptr_), "imported_pointer: cudaFree of an imported allocation");
+    // What cudaFree does (wait for the device, then free), spelled out: compute-sanitizer
+    // (2025.3) reports an import freed by cudaFree as leaked and one freed by cudaFreeAsync as
+    // freed (a probe on the H100 showed both, same program otherwise).
+    report_error(cudaDeviceSynchronize(), "imported_pointer: waiting for the device to free");
+    report_error(cudaFreeAsync(ptr_, cudaStreamLegacy),
+                 "imported_pointer: cudaFreeAsync of an imported allocation");
+    report_error(cudaStreamSynchronize(cudaStreamLegacy),
+                 "imported_pointer: waiting for the free of an imported allocation");
     live_->fetch_sub(1, std::memory_order_relaxed);
     ptr_ = nullptr;
     bytes_ = 0;

@@ -138,7 +138,8 @@ TEST_CASE("moved-from contexts hold nothing; self-move is a no-op") {
 
 // Memory left in a context and freed by destroying the context: compute-sanitizer counts it as
 // leaked (hence [expected-leak]); here the point is that the destruction gives it back.
-TEST_CASE("move-assignment destroys the old context and the memory in it", "[expected-leak]") {
+TEST_CASE("move-assignment destroys the old context and the memory in it",
+          "[expected-leak][free-memory]") {
   context b{{.device = 0}};
   const std::size_t one_context = free_device_memory();  // a context has overhead of its own
   {
@@ -153,7 +154,7 @@ TEST_CASE("move-assignment destroys the old context and the memory in it", "[exp
 
 // Steps 3 and 4 leave 256 MiB in the context for its destruction to free ([expected-leak]).
 TEST_CASE("create/destroy in a loop with an exception at every step leaves nothing behind",
-          "[expected-leak]") {
+          "[expected-leak][free-memory]") {
   const CUcontext current_before = current_context();
   const primary_context_info primary_before = primary_context_state(0);
   const std::size_t baseline = free_device_memory();
@@ -187,7 +188,7 @@ TEST_CASE("create/destroy in a loop with an exception at every step leaves nothi
 
 // Both flows leave memory for context destruction to free, on purpose ([expected-leak]).
 TEST_CASE("seed 003: a raw context skipped by an exception keeps its memory; context does not",
-          "[expected-leak]") {
+          "[expected-leak][free-memory]") {
   const detail::driver_api& cu = detail::driver();
   CUdevice device = 0;
   detail::check_driver(cu.device_get(&device, 0), "cuDeviceGet");

@@ -53,7 +53,8 @@ struct throws_on_construction {
 
 }  // namespace
 
-TEST_CASE("device_scope destroys what it owns, newest first, when an exception leaves it") {
+TEST_CASE("device_scope destroys what it owns, newest first, when an exception leaves it",
+          "[free-memory]") {
   static_cast<void>(free_device_memory());  // the primary context exists before the baseline
   std::vector<int> destroyed;
   const std::size_t baseline = free_device_memory();
@@ -75,7 +76,7 @@ TEST_CASE("device_scope destroys what it owns, newest first, when an exception l
   CHECK(free_device_memory() + 4 * MiB >= baseline);
 }
 
-TEST_CASE("close() returns the check; a scope that leaks says how much") {
+TEST_CASE("close() returns the check; a scope that leaks says how much", "[free-memory]") {
   static_cast<void>(free_device_memory());
   void* leaked = nullptr;
   memory_check found{};
@@ -134,7 +135,7 @@ TEST_CASE("device_scope makes its device current and restores the previous one")
 
 // Leaves 96 MiB for cudaDeviceReset on purpose: compute-sanitizer counts it as leaked.
 TEST_CASE("reset_on_exit: the check runs before the reset, the reset frees the rest",
-          "[expected-leak]") {
+          "[expected-leak][free-memory]") {
   static_cast<void>(free_device_memory());
   const std::size_t baseline = free_device_memory();
   const cudamem_test::captured_errors captured;

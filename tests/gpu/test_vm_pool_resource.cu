@@ -103,7 +103,7 @@ TEST_CASE("vm_resource (GPU): a handle freed on a stream is recycled only after 
   CHECK(vm.release() == 256 * MiB);  // waits for every free, then unmaps
 }
 
-TEST_CASE("vm_pool (GPU): destruction gives every byte back to the device") {
+TEST_CASE("vm_pool (GPU): destruction gives every byte back to the device", "[free-memory]") {
   const std::size_t baseline = cudamem_test::free_device_memory();
   {
     vm_pool_resource pool{0};
@@ -173,7 +173,7 @@ TEST_CASE("vm_pool (GPU): swiss cheese over the whole device reuses >= 0.99 of t
 // purpose, twice per variant. Prints each run's figures (the bench measures the time; this
 // checks the fractions): a line per variant, "cold F ns/op, warm F ns/op".
 TEST_CASE("vm_pool (GPU): a second run of the mixed trace keeps as much of the device live",
-          "[expected-api-error]") {
+          "[expected-api-error][free-memory]") {
   std::array<stream, 4> streams;
   const auto on = [&](std::size_t s) { return stream_view{streams[s % streams.size()]}; };
   for (const char* name : {"bench", "wide", "streams4"}) {
