@@ -204,7 +204,13 @@ class vm_compactor {
       try {
         recycled = take_recyclable(std::move(runs), missing - created);
         ++counts_.compactions;
-        handles_.stale.reserve(handles_.stale.size() + recycled.size());
+        // Room first, so that recording the aliases below cannot throw once they are mapped.
+        // Geometric, not exact: an exact reserve would copy the whole list at every
+        // compaction, quadratic in the aliases a long-lived pool accumulates.
+        const std::size_t aliases = handles_.stale.size() + recycled.size();
+        if (aliases > handles_.stale.capacity()) {
+          handles_.stale.reserve(std::max(aliases, 2 * handles_.stale.capacity()));
+        }
         all.reserve(all.size() + recycled.size());
       } catch (...) {
         undo_mapping(recycled, 0);  // puts recycled handles back where they were
