@@ -49,6 +49,10 @@
 //   `cudamem::stream` tells the pool when it is destroyed (the pool settles up then, while
 //   the handle is still valid); a raw cudaStream_t you destroy yourself must first be passed
 //   to `retire_stream(s)` if pool memory was freed on it.
+// - Stream capture: the pool works on the host, so a block freed while a stream is captured
+//   into a CUDA graph returns at once, before the graph has run. Memory a graph uses after its
+//   capture ends must come from async_resource (graph allocation nodes). exec_policy and
+//   with_temp_storage switch to graph memory by themselves (detail/interop/graph_temporary.hpp).
 // - Upstream memory of kind host, or device memory of device -1 (simulated_resource), is not
 //   stream-ordered: streams are ignored and the pool never calls CUDA.
 // - release() and the destructor return chunks with the synchronous upstream deallocate; if
