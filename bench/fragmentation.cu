@@ -224,6 +224,25 @@ void run(allocator_under_test& a, const char* label, std::size_t free_at_start, 
           std::printf(" %.1f", ns / 1e6);
         }
       }
+      std::printf("\n      slowest ops, us (operation #, phase):");
+      for (const auto& [ns, index] : r.slowest) {
+        const auto phase = std::upper_bound(r.phase_ops.begin(), r.phase_ops.end(), index);
+        std::printf(" %.0f (#%zu", ns / 1e3, index);
+        if (!r.phase_ops.empty()) {
+          std::printf(", %s", std::array{"fill", "holes", "large", "free", "?"}[std::min<std::size_t>(
+                                  static_cast<std::size_t>(phase - r.phase_ops.begin()), 4)]);
+        }
+        std::printf(")");
+      }
+      if (r.kind_ops[0] != 0) {
+        std::printf("\n      by kind, mean us (count):");
+        for (std::size_t k = 0; k < r.kind_ops.size(); ++k) {
+          if (r.kind_ops[k] != 0) {
+            std::printf(" %s %.2f (%zu);", mixed_op_kinds[k],
+                        r.kind_ns[k] / 1e3 / static_cast<double>(r.kind_ops[k]), r.kind_ops[k]);
+          }
+        }
+      }
       std::printf("\n");
     };
     detail("swiss", swiss);

@@ -28,6 +28,7 @@
 
 #include "traces.hpp"
 
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstddef>
@@ -49,6 +50,12 @@ struct fragmentation_result {
   std::size_t slow_ops = 0;    ///< operations that took more than slow_op_ns
   double slow_ns = 0;          ///< their time together
   double worst_ns = 0;         ///< the slowest operation
+  /// The slowest operations, slowest first: (ns, index of the operation in the trace).
+  std::vector<std::pair<double, std::size_t>> slowest;
+  std::vector<std::size_t> phase_ops;  ///< swiss cheese: operations done when each phase ended
+  /// mixed: time and count of each kind of operation (see mixed_op_kinds).
+  std::array<double, 4> kind_ns{};
+  std::array<std::size_t, 4> kind_ops{};
   std::vector<double> phase_ns;  ///< swiss cheese: fill, make holes, large blocks, clean up
   std::size_t small_blocks = 0;  ///< swiss cheese: blocks of the fill
   std::size_t large_blocks = 0;  ///< swiss cheese: large blocks obtained from the holes
@@ -57,10 +64,16 @@ struct fragmentation_result {
 /// Time every operation (two clock reads each: ~40 ns, so off for the headline figures).
 inline bool profile_ops = false;
 inline constexpr double slow_op_ns = 20'000;
+inline constexpr std::size_t slowest_kept = 6;
 
-/// Runs `op` and, with profile_ops on, adds its time to r's slow-op figures.
+/// The kinds of operation the mixed trace counts apart (fragmentation_result::kind_ns).
+inline constexpr std::array<const char*, 4> mixed_op_kinds{"large alloc", "small alloc",
+                                                           "large free", "final frees"};
+
+/// Runs `op` and, with profile_ops on, adds its time to r's slow-op figures (and to kind
+/// `kind`'s time, when given).
 template <class Op>
-auto timed_op(fragmentation_result& r, Op&& op) {
+auto timed_op(fragmentation_result& r, Op&& op, int kind = -1) {
   if (!profile_ops) {
     return op();
   }
@@ -68,16 +81,31 @@ auto timed_op(fragmentation_result& r, Op&& op) {
   struct on_exit {
     fragmentation_result& r;
     std::chrono::steady_clock::time_point start;
+    int kind;
     ~on_exit() {
       const double ns =
           std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - start).count();
+      if (kind >= 0) {
+        r.kind_ns[static_cast<std::size_t>(kind)] += ns;
+        ++r.kind_ops[static_cast<std::size_t>(kind)];
+      }
       r.worst_ns = ns > r.worst_ns ? ns : r.worst_ns;
       if (ns > slow_op_ns) {
         ++r.slow_ops;
         r.slow_ns += ns;
       }
+      if (r.slowest.size() < slowest_kept || ns > r.slowest.back().first) {
+        if (r.slowest.size() == slowest_kept) {
+          r.slowest.pop_back();
+        }
+        auto at = r.slowest.begin();
+        while (at != r.slowest.end() && at->first >= ns) {
+          ++at;
+        }
+        r.slowest.insert(at, {ns, r.ops});  // r.ops: this operation's index (counted after)
+      }
     }
-  } guard{r, start};
+  } guard{r, start, kind};
   return op();
 }
 
@@ -94,6 +122,7 @@ fragmentation_result swiss_cheese(Alloc&& alloc, Free&& release, std::size_t sma
   const auto end_phase = [&] {
     const auto now = clock::now();
     r.phase_ns.push_back(std::chrono::duration<double, std::nano>(now - phase_start).count());
+    r.phase_ops.push_back(r.ops);
     phase_start = now;
   };
   std::vector<void*> smalls;
@@ -258,8 +287,8 @@ fragmentation_result mixed(const mixed_spec& spec, Alloc&& alloc, Free&& release
   std::deque<block> larges;
   std::vector<block> smalls;
   const std::size_t streams = spec.streams == 0 ? 1 : spec.streams;
-  const auto allocate = [&](std::size_t n, std::size_t s) {
-    return timed_op(r, [&] { return call_on_stream(alloc, s, n); });
+  const auto allocate = [&](std::size_t n, std::size_t s, int kind) {
+    return timed_op(r, [&] { return call_on_stream(alloc, s, n); }, kind);
   };
   const auto free_block = [&](const block& b) { call_on_stream(release, b.stream, b.p, b.bytes); };
   std::size_t live = 0;
@@ -269,7 +298,7 @@ fragmentation_result mixed(const mixed_spec& spec, Alloc&& alloc, Free&& release
     const double scale = std::pow(1.0 + spec.large_growth, static_cast<double>(step));
     const auto big = static_cast<std::size_t>(
         static_cast<double>(rng.log_uniform(spec.large_min, spec.large_max)) * scale);
-    void* p = allocate(big, s);
+    void* p = allocate(big, s, 0);
     ++r.ops;
     if (p == nullptr) {
       failed = true;
@@ -279,7 +308,7 @@ fragmentation_result mixed(const mixed_spec& spec, Alloc&& alloc, Free&& release
     live += big;
     for (std::size_t k = 0; k < spec.smalls_per_step; ++k) {
       const std::size_t n = rng.log_uniform(spec.small_min, spec.small_max);
-      void* q = allocate(n, s);
+      void* q = allocate(n, s, 1);
       ++r.ops;
       if (q == nullptr) {
         failed = true;
@@ -289,7 +318,7 @@ fragmentation_result mixed(const mixed_spec& spec, Alloc&& alloc, Free&& release
       live += n;
     }
     while (!failed && larges.size() > spec.large_window) {
-      timed_op(r, [&] { free_block(larges.front()); });
+      timed_op(r, [&] { free_block(larges.front()); }, 2);
       live -= larges.front().bytes;
       larges.pop_front();
       ++r.ops;
@@ -297,11 +326,11 @@ fragmentation_result mixed(const mixed_spec& spec, Alloc&& alloc, Free&& release
   }
   r.numerator = live;
   for (const block& b : larges) {
-    free_block(b);
+    timed_op(r, [&] { free_block(b); }, 3);
     ++r.ops;
   }
   for (const block& b : smalls) {
-    free_block(b);
+    timed_op(r, [&] { free_block(b); }, 3);
     ++r.ops;
   }
   const auto ns = std::chrono::duration<double, std::nano>(clock::now() - start).count();

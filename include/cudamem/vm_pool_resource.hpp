@@ -173,13 +173,16 @@ class vm_pool_resource final : public memory_resource {
   }
 
  private:
-  // A failure is re-reported from here, so the report's chain starts at the resource the
-  // caller used (this, then the upstream) and keeps the cause.
+  // A failure is reported from here, so the report's chain starts at the resource the caller
+  // used (this, then the upstream) and keeps the cause. The pool's and the upstream's own
+  // failures carry only their cause (detail::discarded_report_scope): one report per failed
+  // request, not one per level (each asks NVML who holds the device).
   void* do_allocate(std::size_t bytes, std::size_t alignment, stream_view stream) override {
     if (bytes >= large_) {
       return allocate_large(bytes, alignment, &stream);
     }
     try {
+      const detail::discarded_report_scope discarded{pool_};
       return pool_.allocate(bytes, alignment, stream);
     } catch (const out_of_memory& e) {
       throw_out_of_memory(*this, bytes, alignment, e.report().cause);
@@ -190,6 +193,7 @@ class vm_pool_resource final : public memory_resource {
       return allocate_large(bytes, alignment, nullptr);
     }
     try {
+      const detail::discarded_report_scope discarded{pool_};
       return pool_.allocate(bytes, alignment);
     } catch (const out_of_memory& e) {
       throw_out_of_memory(*this, bytes, alignment, e.report().cause);
@@ -219,6 +223,7 @@ class vm_pool_resource final : public memory_resource {
   /// the upstream cannot supply it, the pool gives back its wholly free chunks first.
   void* allocate_large(std::size_t bytes, std::size_t alignment, const stream_view* stream) {
     const auto ask = [&] {
+      const detail::discarded_report_scope discarded{vm_};  // reported from here, if at all
       return stream != nullptr ? allocate_checked(vm_, bytes, alignment, *stream)
                                : allocate_checked(vm_, bytes, alignment);
     };

@@ -104,6 +104,36 @@ TEST_CASE("out_of_memory carries the report and is a bad_alloc") {
   }
 }
 
+TEST_CASE("a discarded report: the scope's resource's own failures carry only their cause") {
+  figures_resource a{leaf(GiB, 0)};
+  figures_resource b{leaf(GiB, 0)};
+  const auto chain_of = [](memory_resource& r) {
+    try {
+      static_cast<void>(r.allocate(3 * GiB));
+    } catch (const out_of_memory& e) {
+      CHECK(e.requested_bytes() == 3 * GiB);
+      CHECK(e.report().cause == "figures only");
+      CHECK_THAT(std::string(e.what()), Catch::Contains("figures only"));
+      return e.report().chain.size();
+    }
+    FAIL("expected out_of_memory");
+    return std::size_t{99};
+  };
+  CHECK(chain_of(a) == 1);
+  {
+    const detail::discarded_report_scope outer{a};
+    CHECK(chain_of(a) == 0);  // no chain: nothing was asked of the resources
+    CHECK(chain_of(b) == 1);  // another resource reports as always
+    {
+      const detail::discarded_report_scope inner{b};
+      CHECK(chain_of(b) == 0);
+      CHECK(chain_of(a) == 1);
+    }
+    CHECK(chain_of(a) == 0);  // the inner scope restored the outer one
+  }
+  CHECK(chain_of(a) == 1);
+}
+
 TEST_CASE("to_json is one object with the chain and escapes text") {
   figures_resource device{leaf(8 * GiB, 7 * GiB)};
   const memory_report r = make_memory_report(device, 2 * GiB, 256, "a \"quoted\" cause");

@@ -6,6 +6,7 @@
 #include <cudamem/host_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 #include <cudamem/pool_resource.hpp>
+#include <cudamem/retry_adaptor.hpp>
 #include <cudamem/simulated_resource.hpp>
 
 #include "captured_errors.hpp"
@@ -149,6 +150,7 @@ class flaky_upstream final : public memory_resource {
   flaky_upstream() : memory_resource(memory_kind::host, -1) {}
   int calls = 0;
   int fail_from = std::numeric_limits<int>::max();  ///< calls at or after this fail
+  mutable int stats_calls = 0;  ///< one per report that shows it (and per stats())
   std::size_t used() const { return host_.stats().used_bytes; }
 
  private:
@@ -168,7 +170,10 @@ class flaky_upstream final : public memory_resource {
   void do_deallocate_sync(void* p, std::size_t bytes, std::size_t alignment) noexcept override {
     host_.deallocate(p, bytes, alignment);
   }
-  resource_stats do_stats() const override { return host_.stats(); }
+  resource_stats do_stats() const override {
+    ++stats_calls;
+    return host_.stats();
+  }
   host_resource host_;
 };
 
@@ -453,6 +458,41 @@ TEST_CASE("pool: when the upstream is full it releases its free chunks and retri
   void* big = pool.allocate(512 * MiB);            // fails upstream, releases, retries
   CHECK(pool.stats().reserved_bytes == 512 * MiB);
   pool.deallocate(big, 512 * MiB);
+}
+
+TEST_CASE("pool: a request the upstream cannot supply builds one report, the pool's") {
+  // The pool asks for a chunk, then for an exact one; each refusal used to build a report of
+  // its own (stats of the chain, NVML on a device) that the pool threw away.
+  flaky_upstream up;
+  up.fail_from = 1;
+  pool_resource pool{up, {.growth_step = 64 * MiB, .shards = 1}};
+  try {
+    static_cast<void>(pool.allocate(1 * MiB));
+    FAIL("expected out_of_memory");
+  } catch (const out_of_memory& e) {
+    CHECK(up.calls >= 2);         // it did try more than once
+    CHECK(up.stats_calls == 1);   // but only its own report looked at the upstream
+    REQUIRE(e.report().chain.size() == 2);
+    CHECK(e.report().chain[0].name == "pool_resource");
+    CHECK_THAT(e.report().cause, Catch::Contains("could not supply"));
+  }
+  CHECK(up.used() == 0);
+}
+
+TEST_CASE("pool: a retry_adaptor below the pool still hands its callback a whole report") {
+  flaky_upstream up;
+  up.fail_from = 1;
+  std::vector<std::size_t> chain_sizes;
+  retry_adaptor retry{up, [&](const out_of_memory& e) {
+                        chain_sizes.push_back(e.report().chain.size());
+                        return false;
+                      }};
+  pool_resource pool{retry, {.growth_step = 64 * MiB, .shards = 1}};
+  CHECK_THROWS_AS(pool.allocate(1 * MiB), out_of_memory);
+  REQUIRE_FALSE(chain_sizes.empty());
+  for (const std::size_t n : chain_sizes) {
+    CHECK(n == 2);  // retry_adaptor, then the upstream: the failure passed on is reported whole
+  }
 }
 
 TEST_CASE("pool: out_of_memory carries the pool's figures and a verdict") {

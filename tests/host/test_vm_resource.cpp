@@ -9,9 +9,11 @@
 #include <catch2/catch.hpp>
 
 #include <cstdint>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -694,6 +696,87 @@ TEST_CASE("vm_resource: randomised against a model") {
     CHECK(s.layer.violations == 0);
     CHECK(s.layer.unmaps_in_flight == 0);
   }
+}
+
+TEST_CASE("free_range_index: adjacent pairs stay exact; best_run without them is best fit's") {
+  // vm_resource asks best_run before every compaction. It used to walk the whole index; with
+  // no free ranges touching (the usual case) it now finds the answer by size. This checks the
+  // count against a walk after every kind of change, and best_run against the walk it replaced.
+  using detail::free_range_index;
+  const std::uintptr_t unit = 2 * MiB;
+  const std::uintptr_t base = std::uintptr_t{1} << 40;
+  const auto stream_of = [](int k) { return reinterpret_cast<cudaStream_t>(std::uintptr_t(k) * 16); };
+  std::mt19937_64 rng(19);
+  const auto pick = [&](std::uint64_t n) { return static_cast<std::uintptr_t>(rng() % n); };
+  free_range_index free;
+  detail::handle_set handles;  // empty: requests here are not whole-handle ones
+  const auto walk_pairs = [&] {
+    std::size_t n = 0;
+    for (auto it = free.begin(); it != free.end(); ++it) {
+      const auto next = std::next(it);
+      n += next != free.end() && it->first + it->second.bytes == next->first ? 1 : 0;
+    }
+    return n;
+  };
+  const auto walk_best_run = [&](const detail::vm_request& r) {
+    std::optional<detail::vm_placement> best;
+    free.for_each_run([&](std::uintptr_t b, std::uintptr_t e) {
+      if (e - b >= r.needed && (!best || e - b < best->end - best->start) &&
+          detail::place(handles, b, e, r)) {
+        best = detail::vm_placement{b, e};
+      }
+    });
+    return best;
+  };
+  const auto overlaps_free = [&](std::uintptr_t b, std::uintptr_t e) {
+    for (auto it = free.begin(); it != free.end(); ++it) {
+      if (it->first < e && b < it->first + it->second.bytes) {
+        return true;
+      }
+    }
+    return false;
+  };
+  std::size_t with_pairs = 0;
+  std::size_t without_pairs = 0;
+  for (int step = 0; step < 20000; ++step) {
+    const int op = static_cast<int>(pick(10));
+    if (op < 5) {  // a free: merges with mergeable neighbours
+      const std::uintptr_t b = base + pick(256) * unit;
+      const std::uintptr_t e = b + (1 + pick(8)) * unit;
+      if (!overlaps_free(b, e)) {
+        free.insert(b, {e - b, stream_of(1 + static_cast<int>(pick(3))), pick(4) == 0});
+      }
+    } else if (op < 7 && free.count() != 0) {  // an allocation carves a part of one range
+      auto it = free.begin();
+      std::advance(it, static_cast<long>(pick(free.count())));
+      const std::uintptr_t units = it->second.bytes / unit;
+      const std::uintptr_t from = pick(units);
+      const std::uintptr_t to = from + 1 + pick(units - from);
+      free.carve(it, it->first + from * unit, it->first + to * unit);
+    } else if (op < 9) {  // a handle moves away: cut out of whatever it overlaps
+      std::vector<cudaStream_t> pending;
+      free.cut(base + pick(256) * unit, (1 + pick(4)) * unit, pending);
+    } else if (pick(8) == 0) {
+      free.mark_all_complete();
+    } else {
+      free.mark_complete(stream_of(1 + static_cast<int>(pick(3))));
+    }
+    REQUIRE(free.adjacent_pairs() == walk_pairs());
+    (free.adjacent_pairs() == 0 ? without_pairs : with_pairs) += 1;
+    const std::size_t size = (1 + pick(12)) * unit;
+    const std::size_t alignment = pick(3) == 0 ? 4 * unit : unit;
+    const detail::vm_request r{size, alignment <= unit ? size : size + alignment - unit,
+                               alignment, false, unit};
+    const auto expected = walk_best_run(r);
+    const auto got = detail::best_run(free, handles, r);
+    REQUIRE(got.has_value() == expected.has_value());
+    if (got) {
+      CHECK(got->start == expected->start);
+      CHECK(got->end == expected->end);
+    }
+  }
+  CHECK(with_pairs > 500);  // both cases were met often
+  CHECK(without_pairs > 500);
 }
 
 TEST_CASE("vm_resource: with no device, the real one throws no_device_error") {

@@ -96,6 +96,9 @@ class chunk_set {
     }
     void* p = nullptr;
     try {
+      // The pool tries smaller chunks, a give-back, then reports from itself: the upstream's
+      // own report would be thrown away (out_of_memory.hpp).
+      const discarded_report_scope discarded{*upstream_};
       p = upstream_->allocate(size, pool_policy::granule);
     } catch (const out_of_memory&) {
       cause = "upstream " + std::string(upstream_->name()) + " could not supply " +

@@ -14,7 +14,11 @@
 // request on one stream never waits for another's work without cause; once the host has
 // waited for a stream (mark_complete), its ranges are idle and merge with their neighbours.
 // The index does not know about handles or the frontier: vm_resource and the compactor
-// (detail/vm/compactor.hpp) decide what to take; this keeps both orders exact.
+// (detail/vm/compactor.hpp) decide what to take; this keeps both orders exact. It also counts
+// the places where one free range ends where another begins (`adjacent_pairs`): ranges kept
+// apart by their tags. Usually there are none, and then no run of several ranges can serve a
+// request that no single range could: vm_resource skips that walk of the whole index, which
+// it would otherwise pay before every compaction.
 //
 // Not thread-safe: vm_resource's mutex guards it.
 #pragma once
@@ -46,6 +50,8 @@ class free_range_index {
   using by_size = std::set<std::pair<std::size_t, std::uintptr_t>>;
 
   [[nodiscard]] std::size_t count() const noexcept { return by_address_.size(); }
+  /// How many free ranges end where the next one begins (neighbours kept apart by their tags).
+  [[nodiscard]] std::size_t adjacent_pairs() const noexcept { return adjacent_pairs_; }
   [[nodiscard]] std::size_t largest() const noexcept {
     return by_size_.empty() ? 0 : by_size_.rbegin()->first;
   }
@@ -87,11 +93,19 @@ class free_range_index {
   /// Inserts a range as it is (a remnant of a range just taken apart: its neighbours were not
   /// mergeable with the whole, and are not with the part).
   void insert_unmerged(std::uintptr_t address, free_range range) {
-    by_address_.emplace(address, range);
-    by_size_.emplace(range.bytes, address);
+    const auto sized = by_size_.emplace(range.bytes, address).first;
+    by_address::iterator it;
+    try {
+      it = by_address_.emplace(address, range).first;
+    } catch (...) {  // out of host memory: the index stays as it was
+      by_size_.erase(sized);
+      throw;
+    }
+    adjacent_pairs_ += touching_neighbours(it);
   }
 
   void erase(by_address::iterator it) noexcept {
+    adjacent_pairs_ -= touching_neighbours(it);
     by_size_.erase({it->second.bytes, it->first});
     by_address_.erase(it);
   }
@@ -205,6 +219,18 @@ class free_range_index {
   }
 
  private:
+  /// How many of `it`'s address neighbours touch it (0, 1 or 2).
+  [[nodiscard]] std::size_t touching_neighbours(by_address::const_iterator it) const noexcept {
+    std::size_t n = 0;
+    if (it != by_address_.begin()) {
+      const auto prev = std::prev(it);
+      n += prev->first + prev->second.bytes == it->first ? 1 : 0;
+    }
+    const auto next = std::next(it);
+    n += next != by_address_.end() && it->first + it->second.bytes == next->first ? 1 : 0;
+    return n;
+  }
+
   static bool mergeable(const free_range& a, const free_range& b) noexcept {
     return a.complete || b.complete || a.stream == b.stream;
   }
@@ -231,6 +257,7 @@ class free_range_index {
         by_size_.erase({next->second.bytes, next->first});
         it->second = merged(it->second, next->second);
         by_address_.erase(next);
+        --adjacent_pairs_;  // the pair merged; `it` now touches what `next` touched
         node.value() = {it->second.bytes, it->first};
         by_size_.insert(std::move(node));
       }
@@ -239,6 +266,7 @@ class free_range_index {
 
   by_address by_address_;
   by_size by_size_;
+  std::size_t adjacent_pairs_ = 0;  ///< see adjacent_pairs()
 };
 
 }  // namespace cudamem::detail

@@ -94,6 +94,14 @@ struct vm_fit {
                                                          const handle_set& handles,
                                                          const vm_request& r) {
   std::optional<vm_placement> best;
+  if (free.adjacent_pairs() == 0) {
+    // Every run is one range (the usual case): the best run is the best fit, found by size
+    // without walking the whole index.
+    if (const auto fit = best_fit(free, handles, r)) {
+      best = vm_placement{fit->range, fit->range + free.find(fit->range)->second.bytes};
+    }
+    return best;
+  }
   free.for_each_run([&](std::uintptr_t begin, std::uintptr_t end) {
     if (end - begin < r.needed || (best && end - begin >= best->end - best->start)) {
       return;
