@@ -205,6 +205,9 @@ class chunk_set {
       }
     } catch (...) {  // out of host memory: return what was collected
     }
+    // In address order: neighbours then merge one after another in the upstream's index.
+    std::sort(chunks.begin(), chunks.end(),
+              [](const returned_chunk& a, const returned_chunk& b) { return a.base < b.base; });
     return give_back(chunks);
   }
 

@@ -71,21 +71,28 @@ class free_range_index {
   }
   [[nodiscard]] by_size::const_iterator size_end() const noexcept { return by_size_.end(); }
 
-  /// Inserts a free range, merging it with mergeable address neighbours.
+  /// Inserts a free range, merging it with mergeable address neighbours. A merge reuses the
+  /// neighbour's nodes (a free next to free memory, the common case, allocates nothing).
   void insert(std::uintptr_t address, free_range range) {
     const auto next = by_address_.find(address + range.bytes);
-    if (next != by_address_.end() && mergeable(range, next->second)) {
+    const bool with_next = next != by_address_.end() && mergeable(range, next->second);
+    if (with_next) {
       range = merged(range, next->second);
-      erase(next);
     }
-    const auto after = by_address_.lower_bound(address);
+    const auto after = with_next ? next : by_address_.lower_bound(address);
     if (after != by_address_.begin()) {
       const auto prev = std::prev(after);
       if (prev->first + prev->second.bytes == address && mergeable(prev->second, range)) {
-        address = prev->first;
-        range = merged(prev->second, range);
-        erase(prev);
+        if (with_next) {
+          erase(next);
+        }
+        resize(prev, prev->first, merged(prev->second, range));
+        return;
       }
+    }
+    if (with_next) {
+      resize(next, address, range);
+      return;
     }
     insert_unmerged(address, range);
   }
@@ -219,6 +226,21 @@ class free_range_index {
   }
 
  private:
+  /// Gives the range at `it` a new start and tag, in place: both index nodes are reused.
+  void resize(by_address::iterator it, std::uintptr_t address, free_range range) noexcept {
+    adjacent_pairs_ -= touching_neighbours(it);
+    auto sized = by_size_.extract({it->second.bytes, it->first});
+    sized.value() = {range.bytes, address};
+    by_size_.insert(std::move(sized));
+    if (it->first != address) {
+      auto node = by_address_.extract(it);
+      node.key() = address;
+      it = by_address_.insert(std::move(node)).position;
+    }
+    it->second = range;
+    adjacent_pairs_ += touching_neighbours(it);
+  }
+
   /// How many of `it`'s address neighbours touch it (0, 1 or 2).
   [[nodiscard]] std::size_t touching_neighbours(by_address::const_iterator it) const noexcept {
     std::size_t n = 0;
