@@ -21,7 +21,10 @@
 // experiment (compactions, cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap calls), and for
 // swiss cheese the driver's floor: the handles it must create (cold) and move (two per 128 MiB
 // block: two 64 MiB holes are never side by side) times what one create, map and
-// cuMemSetAccess cost, measured at the start of this run; measured/floor is printed.
+// cuMemSetAccess cost, measured just before the run (the driver's costs drift with what the
+// device did before: the peers' frees); measured/floor is printed. vm_pool runs `--vm-runs`
+// times (5 by default), a fresh resource each time, and its rows in the tables are the
+// medians (ns/op, and measured/floor taken run by run; fractions are the lowest).
 // Variants table (mixed_variants() in bench/support/fragmentation.hpp: other size ranges, more
 // long-lived small blocks, more large blocks alive, several streams): for each variant and
 // seed, a fresh allocator runs the trace to its first failure (cold), then again on the same
@@ -121,6 +124,7 @@ struct swiss_floor {
   std::size_t needed_creates = 0;
   std::size_t needed_moves = 0;
   double floor_ns_per_op = 0;  ///< 0: no costs measured (the simulated device)
+  double median_ratio = 0;     ///< a row of medians: the median of measured/floor, run by run
 };
 
 /// One row of the main table, kept for the markdown at the end.
@@ -589,6 +593,64 @@ void run_variants(const std::vector<variant_allocator>& allocators,
   }
 }
 
+/// Replaces the main table's rows of `name`'s `run` (one per fresh resource) by one row of
+/// their medians: ns/op of both experiments and the floor (with measured/floor taken run by
+/// run), the lowest fractions. Prints it.
+void keep_medians(const std::string& name, const std::string& run) {
+  std::vector<main_row> rows;
+  std::erase_if(main_rows, [&](const main_row& r) {
+    if (r.name == name && r.run == run) {
+      rows.push_back(r);
+      return true;
+    }
+    return false;
+  });
+  if (rows.empty()) {
+    return;
+  }
+  const auto median = [&](auto field) {
+    std::vector<double> v;
+    for (const main_row& r : rows) {
+      v.push_back(field(r));
+    }
+    std::sort(v.begin(), v.end());
+    return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+  };
+  const auto lowest = [&](auto field) {
+    double low = field(rows.front());
+    for (const main_row& r : rows) {
+      low = std::min(low, field(r));
+    }
+    return low;
+  };
+  main_row m = rows.front();
+  m.run = run + " (median of " + std::to_string(rows.size()) + ")";
+  m.swiss.ns_per_op = median([](const main_row& r) { return r.swiss.ns_per_op; });
+  m.mix.ns_per_op = median([](const main_row& r) { return r.mix.ns_per_op; });
+  m.swiss.ratio = lowest([](const main_row& r) { return r.swiss.ratio; });
+  m.mix.ratio = lowest([](const main_row& r) { return r.mix.ratio; });
+  std::printf("%s %s over %zu fresh resources: swiss %.0f ns/op (runs", name.c_str(),
+              run.c_str(), rows.size(), m.swiss.ns_per_op);
+  for (const main_row& r : rows) {
+    std::printf(" %.0f", r.swiss.ns_per_op);
+  }
+  if (m.floor && m.floor->floor_ns_per_op > 0) {
+    m.floor->floor_ns_per_op = median([](const main_row& r) { return r.floor->floor_ns_per_op; });
+    m.floor->median_ratio =
+        median([](const main_row& r) { return r.swiss.ns_per_op / r.floor->floor_ns_per_op; });
+    std::printf("), measured/floor median %.2fx (runs", m.floor->median_ratio);
+    for (const main_row& r : rows) {
+      std::printf(" %.2f", r.swiss.ns_per_op / r.floor->floor_ns_per_op);
+    }
+  }
+  std::printf("); mixed %.0f ns/op (runs", m.mix.ns_per_op);
+  for (const main_row& r : rows) {
+    std::printf(" %.0f", r.mix.ns_per_op);
+  }
+  std::printf("); lowest fractions %.4f / %.4f\n", m.swiss.ratio, m.mix.ratio);
+  main_rows.push_back(std::move(m));
+}
+
 /// Both tables in markdown, for bench/README.md.
 void print_markdown() {
   std::printf("\nmarkdown for bench/README.md:\n\n");
@@ -600,7 +662,8 @@ void print_markdown() {
       if (r.floor && r.floor->floor_ns_per_op > 0) {
         char text[64];
         std::snprintf(text, sizeof text, "%.0f (%.2fx)", r.floor->floor_ns_per_op,
-                      r.swiss.ns_per_op / r.floor->floor_ns_per_op);
+                      r.floor->median_ratio > 0 ? r.floor->median_ratio
+                                                : r.swiss.ns_per_op / r.floor->floor_ns_per_op);
         floor = text;
       }
       std::printf("| %s | %s | %.4f | %.0f | %s | %.4f | %.0f |\n", r.name.c_str(), r.run.c_str(),
@@ -675,6 +738,7 @@ struct selection {
   std::string only;  ///< run only the allocators whose name contains this (and no traces)
   std::vector<const mixed_variant*> variants;
   std::vector<std::uint64_t> seeds = {42, 1};
+  int vm_runs = 5;  ///< fresh vm_pools in the main table (medians)
 
   [[nodiscard]] bool wants(const char* name) const {
     return only.empty() || std::string(name).find(only) != std::string::npos;
@@ -765,7 +829,7 @@ int main(int argc, char** argv) {
   std::string variant_list = "all";
   const auto usage = [] {
     std::fprintf(stderr,
-                 "usage: bench_fragmentation [--simulated] [--detail] [--only NAME]\n"
+                 "usage: bench_fragmentation [--simulated] [--detail] [--only NAME] [--vm-runs N]\n"
                  "         [--variant all|none|NAME[,NAME...]] [--seeds N[,N...]]\n"
                  "variants:");
     for (const mixed_variant& v : mixed_variants()) {
@@ -782,6 +846,8 @@ int main(int argc, char** argv) {
       profile_ops = true;
     } else if (arg == "--only" && i + 1 < argc) {
       what.only = argv[++i];
+    } else if (arg == "--vm-runs" && i + 1 < argc) {
+      what.vm_runs = std::max(1, std::atoi(argv[++i]));
     } else if (arg == "--variant" && i + 1 < argc) {
       variant_list = argv[++i];
     } else if (arg == "--seeds" && i + 1 < argc) {
@@ -829,14 +895,6 @@ int main(int argc, char** argv) {
   const auto bench_start = clock_type::now();
   cudaDeviceProp prop{};
   require(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-  if (what.wants("cudamem vm_pool")) {
-    const std::size_t handle = cudamem::vm_resource_options{}.handle_bytes;
-    measured_costs = measure_handle_costs(0, handle);
-    std::printf("one %zu MiB handle costs the driver: cuMemCreate %.1f us, cuMemMap %.1f us, "
-                "cuMemSetAccess %.1f us (medians of 16, measured now)\n",
-                handle / MiB, measured_costs->create_us, measured_costs->map_us,
-                measured_costs->access_us);
-  }
   const std::size_t free_at_start = device_free_now();
   std::printf("bench_fragmentation: %s, %.1f GiB free at start\n", prop.name,
               static_cast<double>(free_at_start) / GiB);
@@ -960,7 +1018,17 @@ int main(int argc, char** argv) {
     }
     check_returned("cudamem pool");
   }
-  if (what.wants("cudamem vm_pool")) {
+  for (int rep = 0; what.wants("cudamem vm_pool") && rep < what.vm_runs; ++rep) {
+    {
+      // The floor's costs, now: the device is empty again, and the driver's costs drift with
+      // what it did before (another allocator's frees, the previous run's).
+      const std::size_t handle = cudamem::vm_resource_options{}.handle_bytes;
+      measured_costs = measure_handle_costs(0, handle);
+      std::printf("vm_pool run %d of %d; one %zu MiB handle costs the driver: cuMemCreate "
+                  "%.1f us, cuMemMap %.1f us, cuMemSetAccess %.1f us (medians of 16, now)\n",
+                  rep + 1, what.vm_runs, handle / MiB, measured_costs->create_us,
+                  measured_costs->map_us, measured_costs->access_us);
+    }
     {  // the allocator is destroyed before its memory is counted back
       auto layer = std::make_unique<timed_mapping>(0);
       timed_mapping& timing = *layer;
@@ -978,6 +1046,10 @@ int main(int argc, char** argv) {
       timing.print("  ");
     }
     check_returned("cudamem vm_pool");
+  }
+  if (what.vm_runs > 1) {
+    keep_medians("cudamem vm_pool", "cold");
+    keep_medians("cudamem vm_pool", "warm");
   }
 
   std::vector<variant_allocator> variant_allocators;
