@@ -92,6 +92,13 @@ std::size_t device_free_now() {
 
 /// One allocator under test: alloc returns nullptr on failure and must not throw. Both take
 /// the index of the stream to work on (0 unless a variant of the mixed trace says otherwise).
+/// What the driver charges for one handle, measured in this run (vm_pool's swiss floor).
+struct handle_costs {
+  double create_us = 0;
+  double map_us = 0;
+  double access_us = 0;  ///< one cuMemSetAccess for the handle alone
+};
+
 struct allocator_under_test {
   std::string name;
   std::function<void*(std::size_t, std::size_t)> alloc;
@@ -108,13 +115,8 @@ struct allocator_under_test {
   /// the size of its handles.
   std::function<std::pair<std::size_t, std::size_t>()> handle_work;
   std::size_t handle_bytes = 0;
-};
-
-/// What the driver charges for one handle, measured in this run (vm_pool's swiss floor).
-struct handle_costs {
-  double create_us = 0;
-  double map_us = 0;
-  double access_us = 0;  ///< one cuMemSetAccess for the handle alone
+  /// vm_pool on a GPU: what one handle cost the driver in the calls since the last call.
+  std::function<handle_costs()> costs_since;
 };
 
 /// The handles an experiment made and moved, and the driver's floor for them.
@@ -125,6 +127,9 @@ struct swiss_floor {
   std::size_t needed_moves = 0;
   double floor_ns_per_op = 0;  ///< 0: no costs measured (the simulated device)
   double median_ratio = 0;     ///< a row of medians: the median of measured/floor, run by run
+  /// The same floor at what the driver charged per handle during the experiment itself.
+  double in_run_ns_per_op = 0;
+  double in_run_median_ratio = 0;
 };
 
 /// One row of the main table, kept for the markdown at the end.
@@ -171,6 +176,9 @@ void run(allocator_under_test& a, const char* label, std::size_t free_at_start, 
   if (a.handle_work) {
     static_cast<void>(a.handle_work());  // count the experiment's handles only
   }
+  if (a.costs_since) {
+    static_cast<void>(a.costs_since());  // and their costs
+  }
   const fragmentation_result swiss =
       swiss_cheese([&](std::size_t n) { return a.alloc(n, 0); },
                    [&](void* p, std::size_t n) { a.release(p, n, 0); }, 64 * MiB, 128 * MiB,
@@ -185,13 +193,21 @@ void run(allocator_under_test& a, const char* label, std::size_t free_at_start, 
     const std::size_t per_small = (64 * MiB + per_handle - 1) / per_handle;
     floor->needed_creates = cold ? swiss.small_blocks * per_small : 0;
     floor->needed_moves = swiss.large_blocks * ((128 * MiB + per_handle - 1) / per_handle);
+    const auto floor_for = [&](const handle_costs& c) {
+      return 1e3 *
+             (static_cast<double>(floor->needed_creates) * (c.create_us + c.map_us + c.access_us) +
+              static_cast<double>(floor->needed_moves) * (c.map_us + c.access_us)) /
+             static_cast<double>(swiss.ops);
+    };
     if (measured_costs && swiss.ops != 0) {
-      const handle_costs& c = *measured_costs;
-      floor->floor_ns_per_op =
-          1e3 *
-          (static_cast<double>(floor->needed_creates) * (c.create_us + c.map_us + c.access_us) +
-           static_cast<double>(floor->needed_moves) * (c.map_us + c.access_us)) /
-          static_cast<double>(swiss.ops);
+      floor->floor_ns_per_op = floor_for(*measured_costs);
+    }
+    if (a.costs_since && swiss.ops != 0) {
+      const handle_costs in_run = a.costs_since();
+      floor->in_run_ns_per_op = floor_for(in_run);
+      std::printf("    swiss driver costs per handle in this run: create %.1f us, map %.1f us, "
+                  "cuMemSetAccess %.1f us\n",
+                  in_run.create_us, in_run.map_us, in_run.access_us);
     }
   }
   const std::string swiss_counters = a.counters();
@@ -214,6 +230,10 @@ void run(allocator_under_test& a, const char* label, std::size_t free_at_start, 
     if (floor->floor_ns_per_op > 0) {
       std::printf(": %.0f ns/op, measured/floor %.2fx", floor->floor_ns_per_op,
                   swiss.ns_per_op / floor->floor_ns_per_op);
+    }
+    if (floor->in_run_ns_per_op > 0) {
+      std::printf("; at this run's own costs %.0f ns/op, %.2fx", floor->in_run_ns_per_op,
+                  swiss.ns_per_op / floor->in_run_ns_per_op);
     }
     std::printf("\n");
   }
@@ -342,6 +362,7 @@ class timed_mapping final : public cudamem::detail::vm_mapping_layer {
       "order_after_free", "wait_for_free", "wait_for_all"};
   std::array<double, call_kinds> ns{};
   std::array<std::size_t, call_kinds> count{};
+  std::size_t access_bytes = 0;  ///< bytes given access, all calls together
 
   explicit timed_mapping(int device) : inner_(device) {}
 
@@ -374,6 +395,25 @@ class timed_mapping final : public cudamem::detail::vm_mapping_layer {
   void set_access(std::uintptr_t va, std::size_t bytes) override {
     const stopwatch w{*this, access_call};
     inner_.set_access(va, bytes);
+    access_bytes += bytes;
+  }
+
+  /// What one handle of `handle` bytes cost the driver since the last call: the mean create and
+  /// map, and cuMemSetAccess's time per handle it covered.
+  handle_costs costs_since(std::size_t handle) {
+    const auto mean = [&](call k) {
+      const std::size_t n = count[k] - costs_count_[k];
+      return n == 0 ? 0.0 : (ns[k] - costs_ns_[k]) / 1e3 / static_cast<double>(n);
+    };
+    const std::size_t handles = (access_bytes - costs_access_bytes_) / handle;
+    handle_costs c{mean(create_call), mean(map_call),
+                   handles == 0 ? 0.0
+                                : (ns[access_call] - costs_ns_[access_call]) / 1e3 /
+                                      static_cast<double>(handles)};
+    costs_ns_ = ns;
+    costs_count_ = count;
+    costs_access_bytes_ = access_bytes;
+    return c;
   }
   void record_free(cudaStream_t s, std::uintptr_t va, std::size_t bytes) override {
     const stopwatch w{*this, record_call};
@@ -435,6 +475,9 @@ class timed_mapping final : public cudamem::detail::vm_mapping_layer {
   cudamem::detail::driver_vm_mapping inner_;
   std::array<double, call_kinds> seen_ns_{};
   std::array<std::size_t, call_kinds> seen_count_{};
+  std::array<double, call_kinds> costs_ns_{};
+  std::array<std::size_t, call_kinds> costs_count_{};
+  std::size_t costs_access_bytes_ = 0;
 };
 
 void print_vm_stats(const cudamem::vm_pool_resource& vm, const char* indent) {
@@ -643,6 +686,16 @@ void keep_medians(const std::string& name, const std::string& run) {
       std::printf(" %.2f", r.swiss.ns_per_op / r.floor->floor_ns_per_op);
     }
   }
+  if (m.floor && m.floor->in_run_ns_per_op > 0) {
+    m.floor->in_run_ns_per_op =
+        median([](const main_row& r) { return r.floor->in_run_ns_per_op; });
+    m.floor->in_run_median_ratio =
+        median([](const main_row& r) { return r.swiss.ns_per_op / r.floor->in_run_ns_per_op; });
+    std::printf("), at each run's own costs median %.2fx (runs", m.floor->in_run_median_ratio);
+    for (const main_row& r : rows) {
+      std::printf(" %.2f", r.swiss.ns_per_op / r.floor->in_run_ns_per_op);
+    }
+  }
   std::printf("); mixed %.0f ns/op (runs", m.mix.ns_per_op);
   for (const main_row& r : rows) {
     std::printf(" %.0f", r.mix.ns_per_op);
@@ -655,9 +708,19 @@ void keep_medians(const std::string& name, const std::string& run) {
 void print_markdown() {
   std::printf("\nmarkdown for bench/README.md:\n\n");
   if (!main_rows.empty()) {
-    std::printf("| allocator | run | swiss | ns/op | swiss floor ns/op (x) | mixed | ns/op |\n");
-    std::printf("|---|---|---|---|---|---|---|\n");
+    std::printf("| allocator | run | swiss | ns/op | swiss floor ns/op (x) | floor at the run's "
+                "own costs (x) | mixed | ns/op |\n");
+    std::printf("|---|---|---|---|---|---|---|---|\n");
     for (const main_row& r : main_rows) {
+      std::string in_run = "-";
+      if (r.floor && r.floor->in_run_ns_per_op > 0) {
+        char text[64];
+        std::snprintf(text, sizeof text, "%.0f (%.2fx)", r.floor->in_run_ns_per_op,
+                      r.floor->in_run_median_ratio > 0
+                          ? r.floor->in_run_median_ratio
+                          : r.swiss.ns_per_op / r.floor->in_run_ns_per_op);
+        in_run = text;
+      }
       std::string floor = "-";
       if (r.floor && r.floor->floor_ns_per_op > 0) {
         char text[64];
@@ -666,8 +729,9 @@ void print_markdown() {
                                                 : r.swiss.ns_per_op / r.floor->floor_ns_per_op);
         floor = text;
       }
-      std::printf("| %s | %s | %.4f | %.0f | %s | %.4f | %.0f |\n", r.name.c_str(), r.run.c_str(),
-                  r.swiss.ratio, r.swiss.ns_per_op, floor.c_str(), r.mix.ratio, r.mix.ns_per_op);
+      std::printf("| %s | %s | %.4f | %.0f | %s | %s | %.4f | %.0f |\n", r.name.c_str(),
+                  r.run.c_str(), r.swiss.ratio, r.swiss.ns_per_op, floor.c_str(), in_run.c_str(),
+                  r.mix.ratio, r.mix.ns_per_op);
     }
   }
   if (!variant_rows.empty()) {
@@ -1040,6 +1104,7 @@ int main(int argc, char** argv) {
       a.handle_work = vm_handle_work(vm);
       a.handle_bytes = vm.upstream_vm().handle_bytes();
       a.driver_detail = [&timing](const char* what) { return timing.delta(what); };
+      a.costs_since = [&timing, handle = a.handle_bytes] { return timing.costs_since(handle); };
       run(a, "cold", free, true);
       run(a, "warm", free, false);
       print_vm_stats(vm, "  ");
