@@ -65,6 +65,7 @@
 //   the sum of both peaks, an upper bound); free blocks are the pool's.
 #pragma once
 
+#include <cudamem/detail/spare_nodes.hpp>
 #include <cudamem/detail/vm/driver_mapping.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/memory_report.hpp>
@@ -242,7 +243,7 @@ class vm_pool_resource final : public memory_resource {
     }
     try {
       const std::lock_guard lock(large_mutex_);
-      large_blocks_.emplace(reinterpret_cast<std::uintptr_t>(p), bytes);
+      spare_large_.insert(large_blocks_, reinterpret_cast<std::uintptr_t>(p), bytes);
       large_used_ += bytes;
       large_peak_ = std::max(large_peak_, large_used_);
     } catch (...) {  // no host memory to record it: give it back, nothing happened
@@ -260,7 +261,7 @@ class vm_pool_resource final : public memory_resource {
       const auto it = large_blocks_.find(reinterpret_cast<std::uintptr_t>(p));
       if (it != large_blocks_.end()) {
         large_used_ -= it->second;
-        large_blocks_.erase(it);
+        spare_large_.erase(large_blocks_, it);
         return true;
       }
     } catch (...) {  // the mutex could not be locked: report below
@@ -314,7 +315,9 @@ class vm_pool_resource final : public memory_resource {
   pool_resource pool_;
   std::size_t large_;  ///< blocks of this many bytes or more are the upstream's (a handle)
   mutable std::mutex large_mutex_;  ///< guards the three below
-  std::unordered_map<std::uintptr_t, std::size_t> large_blocks_;  ///< address -> bytes asked
+  using large_map = std::unordered_map<std::uintptr_t, std::size_t>;
+  large_map large_blocks_;  ///< address -> bytes asked
+  detail::spare_nodes<large_map> spare_large_;  ///< nodes of freed blocks, for the next ones
   std::size_t large_used_ = 0;
   std::size_t large_peak_ = 0;
 };

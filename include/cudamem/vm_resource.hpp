@@ -78,6 +78,7 @@
 // - Thread-safe: one mutex (a pool above calls it for chunks only).
 #pragma once
 
+#include <cudamem/detail/spare_nodes.hpp>
 #include <cudamem/detail/vm/address_space.hpp>
 #include <cudamem/detail/vm/compactor.hpp>
 #include <cudamem/detail/vm/driver_mapping.hpp>
@@ -368,7 +369,8 @@ class vm_resource final : public memory_resource {
       }
     }
     const std::size_t bytes = fit->spot.end - fit->spot.start;
-    live_.emplace(fit->spot.start, live_range{bytes, requested});  // may throw: nothing changed
+    // May throw (no host memory): nothing has changed yet.
+    spare_live_.insert(live_, fit->spot.start, live_range{bytes, requested});
     free_.carve(node, fit->spot.start, fit->spot.end);
     used_bytes_ += bytes;
     requested_bytes_ += requested;
@@ -417,7 +419,7 @@ class vm_resource final : public memory_resource {
       if (!sync) {
         layer_->record_free(stream, address, range.bytes);  // throws: the range stays live
       }
-      live_.erase(it);
+      spare_live_.erase(live_, it);  // its node records the next block: no allocation
       used_bytes_ -= range.bytes;
       requested_bytes_ -= range.requested;
       free_.insert(address, {range.bytes, stream, sync});
@@ -437,7 +439,9 @@ class vm_resource final : public memory_resource {
   detail::handle_set handles_;
   detail::address_space space_;
   detail::vm_compactor compactor_;
-  std::unordered_map<std::uintptr_t, live_range> live_;
+  using live_map = std::unordered_map<std::uintptr_t, live_range>;
+  live_map live_;
+  detail::spare_nodes<live_map> spare_live_;  ///< records of freed blocks, for the next ones
   std::size_t used_bytes_ = 0;
   std::size_t requested_bytes_ = 0;
   std::size_t peak_used_bytes_ = 0;

@@ -23,6 +23,8 @@
 // Not thread-safe: vm_resource's mutex guards it.
 #pragma once
 
+#include <cudamem/detail/spare_nodes.hpp>
+
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -100,21 +102,22 @@ class free_range_index {
   /// Inserts a range as it is (a remnant of a range just taken apart: its neighbours were not
   /// mergeable with the whole, and are not with the part).
   void insert_unmerged(std::uintptr_t address, free_range range) {
-    const auto sized = by_size_.emplace(range.bytes, address).first;
+    const auto sized = spare_sizes_.insert(by_size_, std::pair{range.bytes, address});
     by_address::iterator it;
     try {
-      it = by_address_.emplace(address, range).first;
+      it = spare_addresses_.insert(by_address_, address, range);
     } catch (...) {  // out of host memory: the index stays as it was
-      by_size_.erase(sized);
+      spare_sizes_.erase(by_size_, sized);
       throw;
     }
     adjacent_pairs_ += touching_neighbours(it);
   }
 
+  /// Removes the range at `it` (its nodes are kept for the next inserts).
   void erase(by_address::iterator it) noexcept {
     adjacent_pairs_ -= touching_neighbours(it);
-    by_size_.erase({it->second.bytes, it->first});
-    by_address_.erase(it);
+    spare_sizes_.keep(by_size_.extract({it->second.bytes, it->first}));
+    spare_addresses_.erase(by_address_, it);
   }
 
   /// Takes [start, end) out of the free range at `node`; the remnants on either side keep its
@@ -276,9 +279,9 @@ class free_range_index {
                                       mergeable(it->second, next->second);
            next = std::next(it)) {
         auto node = by_size_.extract({it->second.bytes, it->first});
-        by_size_.erase({next->second.bytes, next->first});
+        spare_sizes_.keep(by_size_.extract({next->second.bytes, next->first}));
         it->second = merged(it->second, next->second);
-        by_address_.erase(next);
+        spare_addresses_.erase(by_address_, next);
         --adjacent_pairs_;  // the pair merged; `it` now touches what `next` touched
         node.value() = {it->second.bytes, it->first};
         by_size_.insert(std::move(node));
@@ -289,6 +292,10 @@ class free_range_index {
   by_address by_address_;
   by_size by_size_;
   std::size_t adjacent_pairs_ = 0;  ///< see adjacent_pairs()
+  // Nodes of erased ranges, reused by the next inserts: a block carved out of a free range
+  // and freed again (the steady state of a trace) allocates nothing.
+  spare_nodes<by_address> spare_addresses_;
+  spare_nodes<by_size> spare_sizes_;
 };
 
 }  // namespace cudamem::detail

@@ -68,15 +68,17 @@ class handle_set {
 
   /// Where a block of `size` bytes of whole handles goes inside the free range [begin, end),
   /// or nullopt: from the first handle starting in it to the end of the last handle it needs.
+  /// Handles tile every free range and all have one size (detail/vm/compactor.hpp), so the
+  /// last handle's end follows from the first's start: one lookup, not two (this runs for
+  /// every candidate range of every large request).
   [[nodiscard]] std::optional<vm_placement> place_whole(std::uintptr_t begin, std::uintptr_t end,
                                                         std::size_t size) const {
-    const auto first = by_address_.lower_bound(begin);  // handles tile every free range
-    if (first == by_address_.end() || first->first + size > end) {
+    const auto first = by_address_.lower_bound(begin);
+    if (first == by_address_.end()) {
       return std::nullopt;
     }
-    auto last = by_address_.upper_bound(first->first + size - 1);
-    --last;
-    const std::uintptr_t stop = last->first + last->second.bytes;
+    const std::size_t handle = first->second.bytes;
+    const std::uintptr_t stop = first->first + (size + handle - 1) / handle * handle;
     if (stop > end) {
       return std::nullopt;
     }
