@@ -14,6 +14,7 @@
 // Then: pieces of ONE large handle (cuMemMap with a non-zero offset), 64 MiB each, mapped in
 // shuffled order at a fresh range, access given once: whether the cost follows the handles in
 // the range or the mappings.
+// Then: the same per-handle calls from 1, 2 and 4 threads at once (does the driver overlap them?).
 // Last: the stream-order calls vm_resource makes around a block it hands out itself (what
 // vm_pool_resource pays per block of a handle or more): cudaEventRecord at each free on a
 // stream, cudaStreamWaitEvent when another stream takes the memory, cudaEventSynchronize when
@@ -22,8 +23,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <optional>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -71,6 +75,64 @@ void stream_order_costs() {
   cudaEventDestroy(ev);
   cudaStreamDestroy(user);
   cudaStreamDestroy(freed_on);
+}
+
+/// Whether the driver runs the per-handle calls of several threads at once: 64 handles of
+/// 64 MiB created, then given access one call per handle, by 1, 2 and 4 threads (each its
+/// share). Wall time per handle: if it falls with more threads, a vm_resource could spread a
+/// growth over threads; if not, the driver serialises them and only host work could overlap.
+void parallel_driver_calls(cudamem::detail::driver_vm_mapping& layer) {
+  constexpr std::size_t n = 64;
+  constexpr std::size_t handle = 64 * MiB;
+  std::printf("\nthe same calls from several threads, %zu handles of %zu MiB, wall us per handle:\n",
+              n, handle / MiB);
+  const auto spread = [](unsigned threads, auto&& work) {  // work(first, last) on each thread
+    const auto start = clock_type::now();
+    std::vector<std::thread> pool;
+    for (unsigned t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        cudaSetDevice(0);  // the primary context current on this thread too
+        work(n * t / threads, n * (t + 1) / threads);
+      });
+    }
+    for (std::thread& t : pool) {
+      t.join();
+    }
+    return us_since(start) / static_cast<double>(n);
+  };
+  for (const unsigned threads : {1U, 2U, 4U, 1U}) {
+    std::vector<std::optional<cudamem::detail::vm_handle>> handles(n);
+    const double create_us = spread(threads, [&](std::size_t first, std::size_t last) {
+      for (std::size_t i = first; i < last; ++i) {
+        handles[i] = layer.create(handle);
+      }
+    });
+    if (std::any_of(handles.begin(), handles.end(), [](const auto& h) { return !h; })) {
+      std::printf("  cuMemCreate failed\n");
+      for (const auto& h : handles) {
+        if (h) {
+          layer.release(*h);
+        }
+      }
+      return;
+    }
+    const std::uintptr_t va = layer.reserve(n * handle);
+    for (std::size_t i = 0; i < n; ++i) {
+      layer.map(va + i * handle, handle, *handles[i]);
+    }
+    const double access_us = spread(threads, [&](std::size_t first, std::size_t last) {
+      for (std::size_t i = first; i < last; ++i) {
+        layer.set_access(va + i * handle, handle);
+      }
+    });
+    for (std::size_t i = 0; i < n; ++i) {
+      layer.unmap(va + i * handle, handle);
+      layer.release(*handles[i]);
+    }
+    layer.free_reservation(va, n * handle);
+    std::printf("  %u thread(s): cuMemCreate %.1f, cuMemSetAccess %.1f\n", threads, create_us,
+                access_us);
+  }
 }
 
 }  // namespace
@@ -168,6 +230,8 @@ int main() {
         std::printf("  cuMemMap with offset %zu MiB: error %d: partial mapping not supported\n",
                     source * piece / MiB, static_cast<int>(r));
         layer.release(*h);
+        layer.free_reservation(va, big);
+        parallel_driver_calls(layer);
         stream_order_costs();
         return 0;
       }
@@ -188,6 +252,7 @@ int main() {
     layer.release(*h);
     layer.free_reservation(va, big);
   }
+  parallel_driver_calls(layer);
   stream_order_costs();
   return 0;
 }
