@@ -64,6 +64,18 @@ std::size_t allocations_in(F&& f) {
   return allocations - before;
 }
 
+/// Allocations made by 100 calls of `cycle`, after two calls to warm it up.
+template <class F>
+std::size_t allocations_when_warm(F&& cycle) {
+  cycle();  // growth, first records and events: allocates
+  cycle();
+  return allocations_in([&] {
+    for (int k = 0; k < 100; ++k) {
+      cycle();
+    }
+  });
+}
+
 }  // namespace
 
 TEST_CASE("spare_nodes: an erased element's node serves the next insert, in every container") {
@@ -180,13 +192,7 @@ TEST_CASE("vm_resource: a warm resource takes and frees blocks without allocatin
     vm.deallocate(a, 192 * MiB, 256, stream_view{s});
     vm.deallocate(c, 64 * MiB);
   };
-  cycle();  // growth, first records and events: allocates
-  cycle();
-  CHECK(allocations_in([&] {
-          for (int k = 0; k < 100; ++k) {
-            cycle();
-          }
-        }) == 0);
+  CHECK(allocations_when_warm(cycle) == 0);
   CHECK(vm.vm_stats().used_bytes == 0);
 }
 
@@ -200,12 +206,6 @@ TEST_CASE("vm_pool_resource: warm large blocks are taken and freed without alloc
     vm.deallocate(a, 300 * MiB, 256, stream_view{s});
     vm.deallocate(b, 128 * MiB, 256, stream_view{s});
   };
-  cycle();
-  cycle();
-  CHECK(allocations_in([&] {
-          for (int k = 0; k < 100; ++k) {
-            cycle();
-          }
-        }) == 0);
+  CHECK(allocations_when_warm(cycle) == 0);
   CHECK(vm.vm_stats().large_used_bytes == 0);
 }
