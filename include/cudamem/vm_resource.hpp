@@ -75,6 +75,8 @@
 //   it is allocated (only wholly free handles are recycled). `block_handles` throws
 //   `std::invalid_argument` for a resource not made exportable and for a pointer that is not
 //   the start of a block it gave out and has not freed.
+// - Host memory: the records of blocks and free ranges reuse the nodes of freed ones
+//   (detail/spare_nodes.hpp), so once warm, taking and freeing blocks allocates none.
 // - Thread-safe: one mutex (a pool above calls it for chunks only).
 #pragma once
 
