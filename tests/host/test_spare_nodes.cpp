@@ -39,12 +39,27 @@ void* counted_allocation(std::size_t bytes) {
 
 }  // namespace
 
+// Every form that pairs with the plain operator delete is replaced, so that new and delete
+// always meet in malloc and free (AddressSanitizer checks that they match). The aligned forms
+// stay the library's, new and delete alike.
 void* operator new(std::size_t bytes) { return counted_allocation(bytes); }
 void* operator new[](std::size_t bytes) { return counted_allocation(bytes); }
+void* operator new(std::size_t bytes, const std::nothrow_t&) noexcept {
+  try {
+    return counted_allocation(bytes);
+  } catch (const std::bad_alloc&) {
+    return nullptr;
+  }
+}
+void* operator new[](std::size_t bytes, const std::nothrow_t& tag) noexcept {
+  return operator new(bytes, tag);
+}
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete[](void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 
 using namespace cudamem;
 using detail::spare_nodes;
