@@ -67,6 +67,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 using namespace cudamem_bench;
@@ -164,15 +165,29 @@ void print_row(const std::string& name, const char* run, const fragmentation_res
   std::fflush(stdout);
 }
 
+/// `--pause-ms N`: how long a cold experiment waits after its allocator emptied its cache.
+int cold_pause_ms = 0;
+
+/// Empties `a`'s cache and waits `cold_pause_ms`: the driver clears memory a process gave back
+/// before it hands it out again, so a fill right after a release pays for that clearing
+/// (bench_vmm_driver measures it), and a fresh process usually does not.
+void empty_for_cold_start(allocator_under_test& a) {
+  a.empty_cache();
+  if (cold_pause_ms > 0) {
+    cudaDeviceSynchronize();
+    std::this_thread::sleep_for(std::chrono::milliseconds(cold_pause_ms));
+  }
+}
+
 /// Runs swiss cheese then the mixed trace; `free_at_start` is the mixed trace's denominator
 /// and scale. A cold run starts each experiment from an empty allocator (it empties the cache
 /// before each); it leaves what the mixed trace cached in place, so that the warm run after it
 /// starts with the memory a long-running program's allocator would hold.
 void run(allocator_under_test& a, const char* label, std::size_t free_at_start, bool cold) {
-  const auto start = clock_type::now();
   if (cold) {
-    a.empty_cache();
+    empty_for_cold_start(a);
   }
+  const auto start = clock_type::now();
   if (a.handle_work) {
     static_cast<void>(a.handle_work());  // count the experiment's handles only
   }
@@ -213,7 +228,7 @@ void run(allocator_under_test& a, const char* label, std::size_t free_at_start, 
   const std::string swiss_counters = a.counters();
   a.swiss_detail = a.driver_detail("swiss");
   if (cold) {
-    a.empty_cache();
+    empty_for_cold_start(a);
   }
   static_cast<void>(a.counters());  // the cache's release is not part of either experiment
   const fragmentation_result mix = mixed(mixed_spec_gpu_for(free_at_start), a.alloc, a.release);
@@ -580,6 +595,7 @@ call_rates rates_since(const cudamem::vm_resource_stats& before,
 variant_run cold_then_warm(const mixed_spec& spec, allocator_under_test& a,
                            const cudamem::vm_pool_resource* vm) {
   variant_run r;
+  empty_for_cold_start(a);  // fresh already; the previous allocator's memory went back just now
   const auto before = vm ? vm->vm_stats() : cudamem::vm_pool_stats{};
   r.cold = mixed(spec, a.alloc, a.release);
   const auto between = vm ? vm->vm_stats() : cudamem::vm_pool_stats{};
@@ -894,6 +910,7 @@ int main(int argc, char** argv) {
   const auto usage = [] {
     std::fprintf(stderr,
                  "usage: bench_fragmentation [--simulated] [--detail] [--only NAME] [--vm-runs N]\n"
+                 "         [--pause-ms N]\n"
                  "         [--variant all|none|NAME[,NAME...]] [--seeds N[,N...]]\n"
                  "variants:");
     for (const mixed_variant& v : mixed_variants()) {
@@ -910,6 +927,8 @@ int main(int argc, char** argv) {
       profile_ops = true;
     } else if (arg == "--only" && i + 1 < argc) {
       what.only = argv[++i];
+    } else if (arg == "--pause-ms" && i + 1 < argc) {
+      cold_pause_ms = std::max(0, std::atoi(argv[++i]));
     } else if (arg == "--vm-runs" && i + 1 < argc) {
       what.vm_runs = std::max(1, std::atoi(argv[++i]));
     } else if (arg == "--variant" && i + 1 < argc) {

@@ -15,6 +15,8 @@
 // shuffled order at a fresh range, access given once: whether the cost follows the handles in
 // the range or the mappings.
 // Then: the same per-handle calls from 1, 2 and 4 threads at once (does the driver overlap them?).
+// Then: the device filled with 64 MiB handles, released, and filled again at once, and after
+// pauses: what a fill right after a release costs (the driver clears given-back memory).
 // Last: the stream-order calls vm_resource makes around a block it hands out itself (what
 // vm_pool_resource pays per block of a handle or more): cudaEventRecord at each free on a
 // stream, cudaStreamWaitEvent when another stream takes the memory, cudaEventSynchronize when
@@ -135,6 +137,101 @@ void parallel_driver_calls(cudamem::detail::driver_vm_mapping& layer) {
   }
 }
 
+/// What one fill of the device costs, per handle: every handle created, mapped side by side and
+/// given access in batches of 9 (as a growing vm_resource does), the memory touched, then all of
+/// it unmapped and released. Returns false when the device has less than `n` handles free.
+struct fill_costs {
+  double create_us = 0;
+  double create_median_us = 0;
+  double access_us = 0;  ///< per handle
+  double release_us = 0;  ///< unmap and release, per handle
+};
+std::optional<fill_costs> fill_device(cudamem::detail::driver_vm_mapping& layer, std::size_t n,
+                                      std::size_t handle) {
+  fill_costs c;
+  std::vector<cudamem::detail::vm_handle> handles;
+  std::vector<double> each;
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto start = clock_type::now();
+    const auto h = layer.create(handle);
+    each.push_back(us_since(start));
+    if (!h) {
+      for (const auto made : handles) {
+        layer.release(made);
+      }
+      return std::nullopt;
+    }
+    handles.push_back(*h);
+  }
+  c.create_us = 0;
+  for (const double us : each) {
+    c.create_us += us;
+  }
+  c.create_us /= static_cast<double>(n);
+  std::nth_element(each.begin(), each.begin() + static_cast<std::ptrdiff_t>(n / 2), each.end());
+  c.create_median_us = each[n / 2];
+  const std::uintptr_t va = layer.reserve(n * handle);
+  constexpr std::size_t batch = 9;
+  auto start = clock_type::now();
+  double access = 0;
+  for (std::size_t first = 0; first < n; first += batch) {
+    const std::size_t last = std::min(n, first + batch);
+    for (std::size_t i = first; i < last; ++i) {
+      layer.map(va + i * handle, handle, handles[i]);
+    }
+    const auto access_start = clock_type::now();
+    layer.set_access(va + first * handle, (last - first) * handle);
+    access += us_since(access_start);
+  }
+  c.access_us = access / static_cast<double>(n);
+  const bool touched = cudaMemsetAsync(reinterpret_cast<void*>(va), 1, n * handle) == cudaSuccess &&
+                       cudaDeviceSynchronize() == cudaSuccess;
+  start = clock_type::now();
+  for (std::size_t i = 0; i < n; ++i) {
+    layer.unmap(va + i * handle, handle);
+    layer.release(handles[i]);
+  }
+  c.release_us = us_since(start) / static_cast<double>(n);
+  layer.free_reservation(va, n * handle);
+  if (!touched) {
+    std::printf("  memset of the filled device failed\n");
+    return std::nullopt;
+  }
+  return c;
+}
+
+/// Whether a fill costs more right after the device's memory was released than at rest: the
+/// driver has to clear memory a process gave back before it hands it out again. A benchmark
+/// that fills the device right after releasing it (a cold run after the previous experiment's
+/// release) pays that; a fresh process usually does not.
+void fill_after_release(cudamem::detail::driver_vm_mapping& layer) {
+  constexpr std::size_t handle = 64 * MiB;
+  std::size_t free_bytes = 0;
+  std::size_t total_bytes = 0;
+  cudaMemGetInfo(&free_bytes, &total_bytes);
+  const std::size_t n = free_bytes * 9 / 10 / handle;
+  std::printf("\nfilling the device (%zu handles of %zu MiB, access in batches of 9, touched), "
+              "us per handle:\n",
+              n, handle / MiB);
+  const auto line = [](const char* when, const std::optional<fill_costs>& c) {
+    if (!c) {
+      std::printf("  %-34s the fill failed\n", when);
+      return;
+    }
+    std::printf("  %-34s cuMemCreate %.1f (median %.1f), cuMemSetAccess %.1f, unmap+release %.1f\n",
+                when, c->create_us, c->create_median_us, c->access_us, c->release_us);
+  };
+  line("first fill (at rest)", fill_device(layer, n, handle));
+  line("right after releasing it", fill_device(layer, n, handle));
+  line("right after releasing it, again", fill_device(layer, n, handle));
+  for (const int pause_ms : {250, 1000, 3000}) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
+    char when[64];
+    std::snprintf(when, sizeof when, "after a %d ms pause", pause_ms);
+    line(when, fill_device(layer, n, handle));
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -232,6 +329,7 @@ int main() {
         layer.release(*h);
         layer.free_reservation(va, big);
         parallel_driver_calls(layer);
+        fill_after_release(layer);
         stream_order_costs();
         return 0;
       }
@@ -253,6 +351,7 @@ int main() {
     layer.free_reservation(va, big);
   }
   parallel_driver_calls(layer);
+  fill_after_release(layer);
   stream_order_costs();
   return 0;
 }
