@@ -13,6 +13,7 @@
 //   ./run bench fragmentation --simulated   # no GPU: an 80 GiB simulated device, seconds
 //   bench_fragmentation --only vm_pool --detail   # one allocator; where its time goes
 //   bench_fragmentation --only vm_pool --variant bench,wide --seeds 42,1,2   # just those rows
+//   bench_fragmentation --only vm_pool --pause-ms 2000   # cold runs start 2 s after a release
 //
 // Main table. "cold" is an allocator's first run (each experiment starts from an empty
 // allocator: its cache is emptied before each); "warm" runs both experiments again on the
@@ -63,7 +64,6 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <new>
 #include <optional>
 #include <sstream>
@@ -168,16 +168,6 @@ void print_row(const std::string& name, const char* run, const fragmentation_res
 
 /// `--pause-ms N`: how long a cold experiment waits after its allocator emptied its cache.
 int cold_pause_ms = 0;
-
-/// `--create-ahead MiB`: vm_pool's create_ahead_bytes (vm_resource.hpp).
-std::size_t vm_create_ahead = 0;
-
-/// vm_pool's options in this run.
-cudamem::vm_pool_options vm_pool_options_here() {
-  cudamem::vm_pool_options o;
-  o.create_ahead_bytes = vm_create_ahead;
-  return o;
-}
 
 /// Empties `a`'s cache and waits `cold_pause_ms`: the driver clears memory a process gave back
 /// before it hands it out again, so a fill right after a release pays for that clearing
@@ -402,19 +392,10 @@ class timed_mapping final : public cudamem::detail::vm_mapping_layer {
   void free_reservation(std::uintptr_t base, std::size_t bytes) noexcept override {
     inner_.free_reservation(base, bytes);
   }
-  /// With create_ahead_bytes, a thread of the resource's own calls create(): its time is
-  /// kept under a lock of its own (readers take it), and is off the allocating thread's path.
   std::optional<cudamem::detail::vm_handle> create(std::size_t bytes) override {
-    const auto start = clock_type::now();
-    const auto h = inner_.create(bytes);
-    const double took = std::chrono::duration<double, std::nano>(clock_type::now() - start).count();
-    const std::lock_guard lock(create_mutex_);
-    ns[create_call] += took;
-    ++count[create_call];
-    return h;
+    const stopwatch w{*this, create_call};
+    return inner_.create(bytes);
   }
-  bool concurrent_create() const noexcept override { return inner_.concurrent_create(); }
-  void prepare_thread() noexcept override { inner_.prepare_thread(); }
   void release(cudamem::detail::vm_handle h) noexcept override {
     const stopwatch w{*this, release_call};
     inner_.release(h);
@@ -436,7 +417,6 @@ class timed_mapping final : public cudamem::detail::vm_mapping_layer {
   /// What one handle of `handle` bytes cost the driver since the last call: the mean create and
   /// map, and cuMemSetAccess's time per handle it covered.
   handle_costs costs_since(std::size_t handle) {
-    const std::lock_guard lock(create_mutex_);
     const auto mean = [&](call k) {
       const std::size_t n = count[k] - costs_count_[k];
       return n == 0 ? 0.0 : (ns[k] - costs_ns_[k]) / 1e3 / static_cast<double>(n);
@@ -470,7 +450,6 @@ class timed_mapping final : public cudamem::detail::vm_mapping_layer {
 
   /// The calls since the last delta(): count x mean us (total ms).
   std::string delta(const char* what) {
-    const std::lock_guard lock(create_mutex_);
     std::string line = std::string(what) + " driver calls:";
     for (std::size_t k = 0; k < call_kinds; ++k) {
       const std::size_t n = count[k] - seen_count_[k];
@@ -488,7 +467,6 @@ class timed_mapping final : public cudamem::detail::vm_mapping_layer {
   }
 
   void print(const char* indent) const {
-    const std::lock_guard lock(create_mutex_);
     std::printf("%sdriver calls:", indent);
     for (std::size_t k = 0; k < call_kinds; ++k) {
       if (count[k] != 0) {
@@ -511,7 +489,6 @@ class timed_mapping final : public cudamem::detail::vm_mapping_layer {
   };
 
   cudamem::detail::driver_vm_mapping inner_;
-  mutable std::mutex create_mutex_;  ///< guards ns and count of create_call
   std::array<double, call_kinds> seen_ns_{};
   std::array<std::size_t, call_kinds> seen_count_{};
   std::array<double, call_kinds> costs_ns_{};
@@ -874,8 +851,7 @@ void run_simulated(const selection& what) {
   const auto make_vm = [] {
     return std::make_unique<cudamem::vm_pool_resource>(
         std::make_unique<cudamem::detail::simulated_vm_mapping>(
-            cudamem::detail::simulated_vm_options{.capacity = capacity}),
-        vm_pool_options_here());
+            cudamem::detail::simulated_vm_options{.capacity = capacity}));
   };
   // Streams are only numbers to the simulated layer (which tracks which frees are pending).
   const std::vector<cudaStream_t> fake_streams = {
@@ -935,7 +911,7 @@ int main(int argc, char** argv) {
   const auto usage = [] {
     std::fprintf(stderr,
                  "usage: bench_fragmentation [--simulated] [--detail] [--only NAME] [--vm-runs N]\n"
-                 "         [--pause-ms N] [--create-ahead MiB]\n"
+                 "         [--pause-ms N]\n"
                  "         [--variant all|none|NAME[,NAME...]] [--seeds N[,N...]]\n"
                  "variants:");
     for (const mixed_variant& v : mixed_variants()) {
@@ -952,8 +928,6 @@ int main(int argc, char** argv) {
       profile_ops = true;
     } else if (arg == "--only" && i + 1 < argc) {
       what.only = argv[++i];
-    } else if (arg == "--create-ahead" && i + 1 < argc) {
-      vm_create_ahead = std::strtoull(argv[++i], nullptr, 10) * MiB;
     } else if (arg == "--pause-ms" && i + 1 < argc) {
       cold_pause_ms = std::max(0, std::atoi(argv[++i]));
     } else if (arg == "--vm-runs" && i + 1 < argc) {
@@ -1008,9 +982,10 @@ int main(int argc, char** argv) {
   const std::size_t free_at_start = device_free_now();
   std::printf("bench_fragmentation: %s, %.1f GiB free at start\n", prop.name,
               static_cast<double>(free_at_start) / GiB);
-  std::printf("vm_pool: create_ahead_bytes %zu MiB; cold experiments start %d ms after the "
-              "allocator emptied its cache\n",
-              vm_create_ahead / MiB, cold_pause_ms);
+  if (cold_pause_ms > 0) {
+    std::printf("cold experiments start %d ms after the allocator emptied its cache\n",
+                cold_pause_ms);
+  }
   print_header();
   std::vector<cudaStream_t> streams(4, nullptr);
   for (cudaStream_t& s : streams) {
@@ -1146,7 +1121,7 @@ int main(int argc, char** argv) {
       auto layer = std::make_unique<timed_mapping>(0);
       timed_mapping& timing = *layer;
       const std::size_t free = device_free_now();
-      cudamem::vm_pool_resource vm{std::move(layer), vm_pool_options_here()};
+      cudamem::vm_pool_resource vm{std::move(layer)};
       allocator_under_test a = from_resource("cudamem vm_pool", vm, streams);
       a.empty_cache = [&] { vm.release(); };
       a.counters = vm_counters(vm);
@@ -1171,7 +1146,7 @@ int main(int argc, char** argv) {
     variant_allocators.push_back({"cudamem vm_pool", [&](const mixed_spec& spec) {
                                     variant_run r;
                                     {
-                                      cudamem::vm_pool_resource vm{0, vm_pool_options_here()};
+                                      cudamem::vm_pool_resource vm{0};
                                       allocator_under_test a =
                                           from_resource("cudamem vm_pool", vm, streams);
                                       r = cold_then_warm(spec, a, &vm);

@@ -15,6 +15,8 @@
 // shuffled order at a fresh range, access given once: whether the cost follows the handles in
 // the range or the mappings.
 // Then: the same per-handle calls from 1, 2 and 4 threads at once (does the driver overlap them?).
+// Then: cudaEventRecord and a map + access on one thread while another creates handles (does a
+// create on another thread hold them up?).
 // Then: the device filled with 64 MiB handles, released, and filled again at once, and after
 // pauses: what a fill right after a release costs (the driver clears given-back memory).
 // Last: the stream-order calls vm_resource makes around a block it hands out itself (what
@@ -26,6 +28,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <optional>
@@ -135,6 +138,112 @@ void parallel_driver_calls(cudamem::detail::driver_vm_mapping& layer) {
     std::printf("  %u thread(s): cuMemCreate %.1f, cuMemSetAccess %.1f\n", threads, create_us,
                 access_us);
   }
+}
+
+/// Whether a cuMemCreate on another thread slows this thread's driver calls: cudaEventRecord
+/// (what vm_resource calls at every free on a stream) and cuMemMap + cuMemSetAccess of a
+/// handle, alone and while a second thread creates 64 MiB handles back to back. If they wait
+/// for the create, making handles ahead on a thread of their own cannot hide its cost.
+void calls_beside_a_create(cudamem::detail::driver_vm_mapping& layer) {
+  constexpr std::size_t handle = 64 * MiB;
+  constexpr std::size_t n = 96;
+  cudaStream_t s = nullptr;
+  cudaEvent_t ev = nullptr;
+  if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess ||
+      cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
+    std::printf("beside a create: could not create a stream and an event\n");
+    return;
+  }
+  // Records on this thread until `done`; returns the mean us per record and the count.
+  const auto records_until = [&](const std::atomic<bool>& done) {
+    std::size_t count = 0;
+    const auto start = clock_type::now();
+    while (!done.load(std::memory_order_relaxed)) {
+      cudaEventRecord(ev, s);
+      ++count;
+    }
+    return std::pair{us_since(start) / static_cast<double>(std::max<std::size_t>(count, 1)), count};
+  };
+  std::vector<cudamem::detail::vm_handle> made;
+  made.reserve(n);
+  const auto create_all = [&] {
+    const auto start = clock_type::now();
+    for (std::size_t i = 0; i < n; ++i) {
+      if (const auto h = layer.create(handle)) {
+        made.push_back(*h);
+      }
+    }
+    return us_since(start) / static_cast<double>(n);
+  };
+  const auto release_all = [&] {
+    for (const auto h : made) {
+      layer.release(h);
+    }
+    made.clear();
+  };
+  // Alone: records for as long as the creates below take, and creates alone.
+  const double create_alone = create_all();
+  release_all();
+  std::atomic<bool> done{false};
+  std::thread timer([&] {
+    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<long>(create_alone * n)));
+    done = true;
+  });
+  const auto [record_alone, records_alone] = records_until(done);
+  timer.join();
+  // Together.
+  done = false;
+  double create_beside = 0;
+  std::thread creator([&] {
+    cudaSetDevice(0);
+    create_beside = create_all();
+    done = true;
+  });
+  const auto [record_beside, records_beside] = records_until(done);
+  creator.join();
+  release_all();
+  // Map + access of one handle at a time, alone and beside the creates.
+  const std::uintptr_t va = layer.reserve(16 * handle);
+  const auto h = layer.create(handle);
+  const auto map_access = [&](const std::atomic<bool>& stop) {
+    std::size_t count = 0;
+    const auto start = clock_type::now();
+    while (!stop.load(std::memory_order_relaxed) && h) {
+      layer.map(va, handle, *h);
+      layer.set_access(va, handle);
+      layer.unmap(va, handle);
+      ++count;
+    }
+    return us_since(start) / static_cast<double>(std::max<std::size_t>(count, 1));
+  };
+  done = false;
+  std::thread timer2([&] {
+    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<long>(create_alone * n)));
+    done = true;
+  });
+  const double cycle_alone = map_access(done);
+  timer2.join();
+  done = false;
+  std::thread creator2([&] {
+    cudaSetDevice(0);
+    create_all();
+    done = true;
+  });
+  const double cycle_beside = map_access(done);
+  creator2.join();
+  release_all();
+  if (h) {
+    layer.release(*h);
+  }
+  layer.free_reservation(va, 16 * handle);
+  std::printf("\nbeside a thread creating %zu MiB handles (us per call): cudaEventRecord %.2f alone "
+              "(%zu calls), %.2f beside (%zu calls); cuMemCreate %.1f alone, %.1f beside the "
+              "records; map+access+unmap of one handle %.1f alone, %.1f beside\n",
+              handle / MiB, record_alone, records_alone, record_beside, records_beside,
+              create_alone, create_beside, cycle_alone, cycle_beside);
+  cudaStreamSynchronize(s);
+  cudaEventDestroy(ev);
+  cudaStreamDestroy(s);
 }
 
 /// What one fill of the device costs, per handle: every handle created, mapped side by side and
@@ -329,6 +438,7 @@ int main() {
         layer.release(*h);
         layer.free_reservation(va, big);
         parallel_driver_calls(layer);
+        calls_beside_a_create(layer);
         fill_after_release(layer);
         stream_order_costs();
         return 0;
@@ -351,6 +461,7 @@ int main() {
     layer.free_reservation(va, big);
   }
   parallel_driver_calls(layer);
+  calls_beside_a_create(layer);
   fill_after_release(layer);
   stream_order_costs();
   return 0;

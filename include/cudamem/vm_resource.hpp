@@ -33,8 +33,6 @@
 //                                request lacks, smallest free runs first); giving memory back
 // - detail/vm/mapping.hpp, driver_mapping.hpp  the device behind one interface (the driver's
 //                                cuMem* calls, or a simulated device for GPU-free tests)
-// - detail/vm/create_ahead.hpp   with `create_ahead_bytes`: the next handles made on a thread
-//                                of its own while the device has room
 // What a move costs, measured (bench_vmm_driver): cuMemMap ~1 µs, and cuMemSetAccess ~23-40 µs
 // *per handle* in the range whatever its size: giving access is paid per handle, not per byte.
 // Hence 64 MiB handles, growth before recycling, moving only what is missing, and stale
@@ -67,13 +65,6 @@
 //   the address-space sweep wait on the host for every recorded free first.
 // - `release()` unmaps stale aliases and gives every wholly free handle back to the driver;
 //   returns the physical bytes given back. Memory in use, and handles shared with it, stay.
-// - `create_ahead_bytes` (0: off): while the device has room (and below `physical_limit`), a
-//   thread of the resource's own keeps up to that many bytes of handles made, so that a growth
-//   finds them ready instead of paying ~25-35 µs of cuMemCreate per handle on the allocating
-//   thread. They are physical memory held ahead of demand (`vm_stats().created_ahead_bytes`,
-//   and in stats().reserved_bytes); a growth takes them first, so the resource never fails
-//   while it holds any; `release()` gives them back and stops the thread's work until the
-//   resource grows again; the thread makes nothing once the device has said "full".
 // - Failure throws `out_of_memory` (recycling and growth both tried; nothing changes); a
 //   request larger than the device or than `physical_limit` is refused before anything is
 //   tried. Bad frees (a pointer not from here, a double free, a size that differs from the
@@ -92,7 +83,6 @@
 #include <cudamem/detail/spare_nodes.hpp>
 #include <cudamem/detail/vm/address_space.hpp>
 #include <cudamem/detail/vm/compactor.hpp>
-#include <cudamem/detail/vm/create_ahead.hpp>
 #include <cudamem/detail/vm/driver_mapping.hpp>
 #include <cudamem/detail/vm/free_ranges.hpp>
 #include <cudamem/detail/vm/handle_set.hpp>
@@ -144,10 +134,6 @@ struct vm_resource_options {
   std::optional<std::size_t> physical_limit;
   /// Other devices that get read-write access to its memory.
   std::vector<int> peers;
-  /// Physical memory a thread of the resource's own keeps made ahead of the next growth, in
-  /// whole handles (rounded down); 0: none, every handle is made on the allocating thread.
-  /// See the contract.
-  std::size_t create_ahead_bytes = 0;
   /// Create physical memory shareable as POSIX file descriptors, so that blocks can be
   /// exported to other processes (vm_ipc.hpp). A device that cannot throws `cuda_error`
   /// (cudaErrorNotSupported) from the constructor.
@@ -186,7 +172,6 @@ struct vm_resource_stats {
   std::size_t maps = 0;                    ///< cuMemMap calls
   std::size_t access_calls = 0;            ///< cuMemSetAccess calls
   std::size_t unmaps = 0;                  ///< cuMemUnmap calls
-  std::size_t created_ahead_bytes = 0;     ///< handles made ahead, not yet mapped
 };
 
 /// Device memory over a virtual address range; see the contract above.
@@ -204,13 +189,8 @@ class vm_resource final : public memory_resource {
         layer_(std::move(layer)),
         options_(std::move(options)),
         config_(detail::vm_config::from(layer_.get(), options_)),
-        ahead_(options_.create_ahead_bytes < config_.handle
-                   ? nullptr
-                   : std::make_unique<detail::create_ahead_layer>(
-                         *layer_, config_.handle, options_.create_ahead_bytes, config_.limit)),
-        calls_(ahead_ ? *ahead_ : *layer_),
         space_(config_.reservation),
-        compactor_(calls_, config_, free_, handles_, space_) {}
+        compactor_(*layer_, config_, free_, handles_, space_) {}
 
   ~vm_resource() override {
     const std::lock_guard lock(mutex_);
@@ -229,8 +209,7 @@ class vm_resource final : public memory_resource {
   /// all recorded frees; returns the physical bytes given back. See the contract.
   std::size_t release() {
     const std::lock_guard lock(mutex_);
-    const std::size_t released = compactor_.release_idle();
-    return released + (ahead_ ? ahead_->give_back() : 0);
+    return compactor_.release_idle();
   }
 
   /// What it holds, in virtual-memory terms (walks the free ranges: not for hot loops).
@@ -257,7 +236,6 @@ class vm_resource final : public memory_resource {
     s.maps = calls.maps;
     s.access_calls = calls.access_calls;
     s.unmaps = calls.unmaps;
-    s.created_ahead_bytes = ahead_ ? ahead_->ready_bytes() : 0;
     return s;
   }
 
@@ -294,14 +272,6 @@ class vm_resource final : public memory_resource {
   /// The mapping layer (tests inspect the simulated one).
   [[nodiscard]] detail::vm_mapping_layer& mapping_layer() const noexcept { return *layer_; }
 
-  /// Waits until the create-ahead thread (if any) has nothing left to do: tests read the
-  /// layer's counts after it.
-  void settle_create_ahead() const {
-    if (ahead_) {
-      ahead_->settle();
-    }
-  }
-
  private:
   struct live_range {
     std::size_t bytes;      ///< granule multiple
@@ -335,7 +305,7 @@ class vm_resource final : public memory_resource {
   resource_stats do_stats() const override {
     const std::lock_guard lock(mutex_);
     resource_stats s;
-    s.reserved_bytes = handles_.mapped_bytes + (ahead_ ? ahead_->ready_bytes() : 0);
+    s.reserved_bytes = handles_.mapped_bytes;
     s.used_bytes = used_bytes_;
     s.peak_used_bytes = peak_used_bytes_;
     s.free_blocks = free_.count();
@@ -393,11 +363,11 @@ class vm_resource final : public memory_resource {
     if (!node->second.complete) {
       if (sync) {
         const cudaStream_t freed_on = node->second.stream;
-        calls_.wait_for_free(freed_on);
+        layer_->wait_for_free(freed_on);
         free_.mark_complete(freed_on);  // the host waited: all freed on it is idle, remnants too
         node = free_.containing(fit->spot.start);  // it may have merged with its neighbours
       } else if (node->second.stream != stream) {
-        calls_.order_after_free(stream, node->second.stream);
+        layer_->order_after_free(stream, node->second.stream);
       }
     }
     const std::size_t bytes = fit->spot.end - fit->spot.start;
@@ -425,7 +395,7 @@ class vm_resource final : public memory_resource {
       pending.erase(own != pending.end() ? own : pending.end() - 1);  // ordered on the device
     }
     for (const cudaStream_t s : pending) {
-      calls_.wait_for_free(s);
+      layer_->wait_for_free(s);
       free_.mark_complete(s);
     }
     return detail::best_fit(free_, handles_, r).has_value();
@@ -449,7 +419,7 @@ class vm_resource final : public memory_resource {
                        "; freeing the allocated range");
       }
       if (!sync) {
-        calls_.record_free(stream, address, range.bytes);  // throws: the range stays live
+        layer_->record_free(stream, address, range.bytes);  // throws: the range stays live
       }
       spare_live_.erase(live_, it);  // its node records the next block: no allocation
       used_bytes_ -= range.bytes;
@@ -465,8 +435,6 @@ class vm_resource final : public memory_resource {
   std::unique_ptr<detail::vm_mapping_layer> layer_;
   vm_resource_options options_;
   detail::vm_config config_;
-  std::unique_ptr<detail::create_ahead_layer> ahead_;  ///< null unless create_ahead_bytes
-  detail::vm_mapping_layer& calls_;  ///< what every call goes through: ahead_, else layer_
 
   mutable std::mutex mutex_;  ///< guards everything below
   detail::free_range_index free_;

@@ -127,43 +127,6 @@ TEST_CASE("vm_pool (GPU): destruction gives every byte back to the device", "[fr
   CHECK(after + 4 * MiB >= baseline);  // events and page tables may cost a little, not memory
 }
 
-TEST_CASE("vm_pool (GPU): handles made ahead on the resource's own thread are usable, and go "
-          "back at release() and destruction",
-          "[free-memory]") {
-  const std::size_t baseline = cudamem_test::free_device_memory();
-  {
-    vm_pool_options options;
-    options.create_ahead_bytes = 512 * MiB;
-    vm_pool_resource pool{0, options};
-    stream s;
-    void* first = pool.allocate(64 * MiB, 256, s);  // a growth: 256 MiB, then 512 MiB ahead
-    pool.upstream_vm().settle_create_ahead();
-    vm_pool_stats st = pool.vm_stats();
-    CHECK(st.created_ahead_bytes == 512 * MiB);
-    CHECK(cudamem_test::free_device_memory() + st.mapped_bytes + 512 * MiB <= baseline + 4 * MiB);
-    void* big = pool.allocate(1024 * MiB, 256, s);  // takes the ready handles first
-    check(cudaMemsetAsync(big, 3, 1024 * MiB, s.get()));
-    check(cudaMemsetAsync(first, 5, 64 * MiB, s.get()));
-    unsigned char byte = 0;
-    check(cudaMemcpyAsync(&byte, static_cast<unsigned char*>(big) + 1000 * MiB, 1,
-                          cudaMemcpyDeviceToHost, s.get()));
-    s.synchronize();
-    CHECK(byte == 3);
-    pool.deallocate(big, 1024 * MiB, 256, s);
-    pool.deallocate(first, 64 * MiB, 256, s);
-    pool.upstream_vm().settle_create_ahead();
-    CHECK(pool.release() >= 1024 * MiB + 512 * MiB);
-    pool.upstream_vm().settle_create_ahead();
-    CHECK(pool.vm_stats().created_ahead_bytes == 0);
-    CHECK(pool.vm_stats().mapped_bytes == 0);
-    void* again = pool.allocate(128 * MiB, 256, s);  // grows: the thread works again
-    pool.deallocate(again, 128 * MiB, 256, s);
-  }  // destroyed, perhaps while its thread creates
-  const std::size_t after = cudamem_test::free_device_memory();
-  CAPTURE(baseline, after);
-  CHECK(after + 4 * MiB >= baseline);
-}
-
 // Fills the device until cuMemCreate answers CUDA_ERROR_OUT_OF_MEMORY, on purpose.
 TEST_CASE("vm_pool (GPU): swiss cheese over the whole device reuses >= 0.99 of the freed memory",
           "[expected-api-error]") {
@@ -213,22 +176,14 @@ TEST_CASE("vm_pool (GPU): a second run of the mixed trace keeps as much of the d
           "[expected-api-error][free-memory]") {
   std::array<stream, 4> streams;
   const auto on = [&](std::size_t s) { return stream_view{streams[s % streams.size()]}; };
-  struct run_of {
-    const char* name;
-    std::size_t create_ahead;
-  };
-  for (const run_of r : {run_of{"bench", 0}, run_of{"wide", 0}, run_of{"streams4", 0},
-                         run_of{"bench", 1024 * MiB}}) {
-    const char* name = r.name;
+  for (const char* name : {"bench", "wide", "streams4"}) {
     const auto& variants = cudamem_bench::mixed_variants();
     const auto v = std::find_if(variants.begin(), variants.end(),
                                 [&](const auto& x) { return x.name == name; });
     REQUIRE(v != variants.end());
     const std::size_t free = cudamem_test::free_device_memory();
     cudamem_bench::mixed_spec spec = v->make(free);
-    vm_pool_options options;
-    options.create_ahead_bytes = r.create_ahead;
-    vm_pool_resource pool{0, options};
+    vm_pool_resource pool{0};
     const auto alloc = [&](std::size_t n, std::size_t s) -> void* {
       try {
         return pool.allocate(n, 256, on(s));
@@ -241,10 +196,9 @@ TEST_CASE("vm_pool (GPU): a second run of the mixed trace keeps as much of the d
     };
     const auto cold = cudamem_bench::mixed(spec, alloc, release);
     const auto warm = cudamem_bench::mixed(spec, alloc, release);
-    std::printf("vm_pool mixed %-9s create ahead %4zu MiB: cold %.4f %6.0f ns/op, warm %.4f %6.0f "
-                "ns/op\n",
-                name, r.create_ahead / MiB, cold.ratio, cold.ns_per_op, warm.ratio, warm.ns_per_op);
-    CAPTURE(name, r.create_ahead, cold.ratio, warm.ratio);
+    std::printf("vm_pool mixed %-9s cold %.4f %6.0f ns/op, warm %.4f %6.0f ns/op\n", name,
+                cold.ratio, cold.ns_per_op, warm.ratio, warm.ns_per_op);
+    CAPTURE(name, cold.ratio, warm.ratio);
     CHECK(cold.ratio >= 0.97);
     CHECK(warm.ratio >= 0.97);
     CHECK(warm.ratio >= cold.ratio);

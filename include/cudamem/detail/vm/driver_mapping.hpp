@@ -164,12 +164,6 @@ class driver_vm_mapping final : public vm_mapping_layer {
     return static_cast<vm_handle>(handle);
   }
 
-  /// cuMemCreate reads only the properties fixed at construction: any thread may call it.
-  [[nodiscard]] bool concurrent_create() const noexcept override { return true; }
-  void prepare_thread() noexcept override {
-    report_error(cudaSetDevice(device_), "vm_resource: cudaSetDevice on its create-ahead thread");
-  }
-
   void release(vm_handle handle) noexcept override {
     report_driver_error(driver().mem_release(static_cast<CUmemGenericAllocationHandle>(handle)),
                         "vm_resource: cuMemRelease");

@@ -35,9 +35,6 @@
 //   recorded on `freed_on` (no host wait); `wait_for_free(freed_on)` blocks the host until it
 //   has finished; `wait_for_all_frees()` does so for every stream seen. Events belong to the
 //   layer, so a stream may be destroyed after freeing on it.
-// - Threads: one caller at a time, except that a layer whose `concurrent_create()` is true
-//   takes create() from a second thread (after `prepare_thread()` there) beside the owner's
-//   other calls.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -87,14 +84,6 @@ class vm_mapping_layer {
   virtual void order_after_free(cudaStream_t user, cudaStream_t freed_on) = 0;
   virtual void wait_for_free(cudaStream_t freed_on) = 0;
   virtual void wait_for_all_frees() noexcept = 0;
-
-  /// Whether create() may run on another thread while this one makes its other calls
-  /// (create_ahead.hpp makes handles on a thread of its own; a layer that says no has all its
-  /// calls serialised there).
-  [[nodiscard]] virtual bool concurrent_create() const noexcept { return false; }
-  /// Makes a thread other than the owner's ready to call create() (the driver: the device's
-  /// primary context current on it).
-  virtual void prepare_thread() noexcept {}
 
  protected:
   vm_mapping_layer() = default;
