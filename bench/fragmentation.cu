@@ -169,9 +169,9 @@ void print_row(const std::string& name, const char* run, const fragmentation_res
 /// `--pause-ms N`: how long a cold experiment waits after its allocator emptied its cache.
 int cold_pause_ms = 0;
 
-/// Empties `a`'s cache and waits `cold_pause_ms`: the driver clears memory a process gave back
-/// before it hands it out again, so a fill right after a release pays for that clearing
-/// (bench_vmm_driver measures it), and a fresh process usually does not.
+/// Empties `a`'s cache and waits `cold_pause_ms`: a fill right after a release pays a tail of
+/// slow cuMemCreate calls (bench_vmm_driver measures it: the driver seems to clear what was
+/// given back), which a program starting on a device at rest does not.
 void empty_for_cold_start(allocator_under_test& a) {
   a.empty_cache();
   if (cold_pause_ms > 0) {

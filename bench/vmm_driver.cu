@@ -31,6 +31,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <numeric>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -140,115 +141,110 @@ void parallel_driver_calls(cudamem::detail::driver_vm_mapping& layer) {
   }
 }
 
+/// Runs `measure(done)` on this thread while `other()` runs on a second thread (the device
+/// current there too); `done` turns true when `other` returns. Returns what `measure` returns.
+template <class Measure, class Other>
+auto while_running(Measure&& measure, Other&& other) {
+  std::atomic<bool> done{false};
+  std::thread second([&] {
+    cudaSetDevice(0);
+    other();
+    done = true;
+  });
+  const auto result = measure(done);
+  second.join();
+  return result;
+}
+
 /// Whether a cuMemCreate on another thread slows this thread's driver calls: cudaEventRecord
-/// (what vm_resource calls at every free on a stream) and cuMemMap + cuMemSetAccess of a
-/// handle, alone and while a second thread creates 64 MiB handles back to back. If they wait
-/// for the create, making handles ahead on a thread of their own cannot hide its cost.
+/// (what vm_resource calls at every free on a stream) and a cuMemMap + cuMemSetAccess +
+/// cuMemUnmap of one handle, each timed for as long as 96 creates take, once beside a thread
+/// that sleeps and once beside one that creates 64 MiB handles back to back. If they wait for
+/// the creates, making handles ahead on a thread of their own cannot hide the creates' cost.
 void calls_beside_a_create(cudamem::detail::driver_vm_mapping& layer) {
   constexpr std::size_t handle = 64 * MiB;
   constexpr std::size_t n = 96;
   cudaStream_t s = nullptr;
   cudaEvent_t ev = nullptr;
-  if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess ||
+  const std::uintptr_t va = layer.reserve(handle);
+  const auto mapped = layer.create(handle);
+  if (!mapped || cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess ||
       cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
-    std::printf("beside a create: could not create a stream and an event\n");
+    std::printf("beside a create: could not create a handle, a stream and an event\n");
+    if (mapped) {
+      layer.release(*mapped);
+    }
+    if (ev != nullptr) {
+      cudaEventDestroy(ev);
+    }
+    if (s != nullptr) {
+      cudaStreamDestroy(s);
+    }
+    layer.free_reservation(va, handle);
     return;
   }
-  // Records on this thread until `done`; returns the mean us per record and the count.
-  const auto records_until = [&](const std::atomic<bool>& done) {
-    std::size_t count = 0;
-    const auto start = clock_type::now();
-    while (!done.load(std::memory_order_relaxed)) {
-      cudaEventRecord(ev, s);
-      ++count;
-    }
-    return std::pair{us_since(start) / static_cast<double>(std::max<std::size_t>(count, 1)), count};
-  };
   std::vector<cudamem::detail::vm_handle> made;
   made.reserve(n);
-  const auto create_all = [&] {
+  const auto create_all = [&] {  // mean us per create; the handles are released after
     const auto start = clock_type::now();
     for (std::size_t i = 0; i < n; ++i) {
       if (const auto h = layer.create(handle)) {
         made.push_back(*h);
       }
     }
-    return us_since(start) / static_cast<double>(n);
-  };
-  const auto release_all = [&] {
+    const double us = us_since(start) / static_cast<double>(n);
     for (const auto h : made) {
       layer.release(h);
     }
     made.clear();
+    return us;
   };
-  // Alone: records for as long as the creates below take, and creates alone.
-  const double create_alone = create_all();
-  release_all();
-  std::atomic<bool> done{false};
-  std::thread timer([&] {
-    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<long>(create_alone * n)));
-    done = true;
-  });
-  const auto [record_alone, records_alone] = records_until(done);
-  timer.join();
-  // Together.
-  done = false;
-  double create_beside = 0;
-  std::thread creator([&] {
-    cudaSetDevice(0);
-    create_beside = create_all();
-    done = true;
-  });
-  const auto [record_beside, records_beside] = records_until(done);
-  creator.join();
-  release_all();
-  // Map + access of one handle at a time, alone and beside the creates.
-  const std::uintptr_t va = layer.reserve(16 * handle);
-  const auto h = layer.create(handle);
-  const auto map_access = [&](const std::atomic<bool>& stop) {
+  const auto mean_us_until = [](const std::atomic<bool>& done, auto&& call) {
     std::size_t count = 0;
     const auto start = clock_type::now();
-    while (!stop.load(std::memory_order_relaxed) && h) {
-      layer.map(va, handle, *h);
-      layer.set_access(va, handle);
-      layer.unmap(va, handle);
+    while (!done.load(std::memory_order_relaxed)) {
+      call();
       ++count;
     }
     return us_since(start) / static_cast<double>(std::max<std::size_t>(count, 1));
   };
-  done = false;
-  std::thread timer2([&] {
-    std::this_thread::sleep_for(std::chrono::microseconds(static_cast<long>(create_alone * n)));
-    done = true;
-  });
-  const double cycle_alone = map_access(done);
-  timer2.join();
-  done = false;
-  std::thread creator2([&] {
-    cudaSetDevice(0);
-    create_all();
-    done = true;
-  });
-  const double cycle_beside = map_access(done);
-  creator2.join();
-  release_all();
-  if (h) {
-    layer.release(*h);
-  }
-  layer.free_reservation(va, 16 * handle);
-  std::printf("\nbeside a thread creating %zu MiB handles (us per call): cudaEventRecord %.2f alone "
-              "(%zu calls), %.2f beside (%zu calls); cuMemCreate %.1f alone, %.1f beside the "
-              "records; map+access+unmap of one handle %.1f alone, %.1f beside\n",
-              handle / MiB, record_alone, records_alone, record_beside, records_beside,
-              create_alone, create_beside, cycle_alone, cycle_beside);
+  const auto record = [&] { cudaEventRecord(ev, s); };
+  const auto map_access_unmap = [&] {
+    layer.map(va, handle, *mapped);
+    layer.set_access(va, handle);
+    layer.unmap(va, handle);
+  };
+  const double create_alone = create_all();
+  const auto sleep_as_long = [&] {
+    std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(create_alone * n));
+  };
+  double create_beside = 0;
+  const auto create_beside_records = [&] { create_beside = create_all(); };
+  // Mean us of `call` on this thread while `other` runs on a second one.
+  const auto beside = [&](auto&& call, auto&& other) {
+    return while_running(
+        [&](const std::atomic<bool>& done) { return mean_us_until(done, call); }, other);
+  };
+  const double record_alone = beside(record, sleep_as_long);
+  const double record_beside = beside(record, create_beside_records);
+  const double cycle_alone = beside(map_access_unmap, sleep_as_long);
+  const double cycle_beside = beside(map_access_unmap, create_all);
+  std::printf("\nbeside a thread creating %zu MiB handles (us per call): cudaEventRecord %.2f "
+              "alone, %.2f beside; cuMemCreate %.1f alone, %.1f beside the records; "
+              "map+access+unmap of one handle %.1f alone, %.1f beside\n",
+              handle / MiB, record_alone, record_beside, create_alone, create_beside, cycle_alone,
+              cycle_beside);
   cudaStreamSynchronize(s);
   cudaEventDestroy(ev);
   cudaStreamDestroy(s);
+  layer.release(*mapped);
+  layer.free_reservation(va, handle);
 }
 
 /// What one fill of the device costs, per handle: every handle created, mapped side by side and
 /// given access in batches of 9 (as a growing vm_resource does), the memory touched, then all of
-/// it unmapped and released. Returns false when the device has less than `n` handles free.
+/// it unmapped and released. nullopt when the device cannot hold `n` handles, or the memset
+/// through them fails.
 struct fill_costs {
   double create_us = 0;
   double create_median_us = 0;
@@ -272,11 +268,7 @@ std::optional<fill_costs> fill_device(cudamem::detail::driver_vm_mapping& layer,
     }
     handles.push_back(*h);
   }
-  c.create_us = 0;
-  for (const double us : each) {
-    c.create_us += us;
-  }
-  c.create_us /= static_cast<double>(n);
+  c.create_us = std::accumulate(each.begin(), each.end(), 0.0) / static_cast<double>(n);
   std::nth_element(each.begin(), each.begin() + static_cast<std::ptrdiff_t>(n / 2), each.end());
   c.create_median_us = each[n / 2];
   const std::uintptr_t va = layer.reserve(n * handle);
@@ -310,9 +302,9 @@ std::optional<fill_costs> fill_device(cudamem::detail::driver_vm_mapping& layer,
 }
 
 /// Whether a fill costs more right after the device's memory was released than at rest: the
-/// driver has to clear memory a process gave back before it hands it out again. A benchmark
+/// driver seems to clear memory a process gave back before it hands it out again. A benchmark
 /// that fills the device right after releasing it (a cold run after the previous experiment's
-/// release) pays that; a fresh process usually does not.
+/// release) pays that; a program that starts on a device at rest does not.
 void fill_after_release(cudamem::detail::driver_vm_mapping& layer) {
   constexpr std::size_t handle = 64 * MiB;
   std::size_t free_bytes = 0;
