@@ -185,19 +185,20 @@ void calls_beside_a_create(cudamem::detail::driver_vm_mapping& layer) {
   }
   std::vector<cudamem::detail::vm_handle> made;
   made.reserve(n);
-  const auto create_all = [&] {  // mean us per create; the handles are released after
+  const auto create_all = [&] {  // mean us per create; release_made() gives them back
     const auto start = clock_type::now();
     for (std::size_t i = 0; i < n; ++i) {
       if (const auto h = layer.create(handle)) {
         made.push_back(*h);
       }
     }
-    const double us = us_since(start) / static_cast<double>(n);
+    return us_since(start) / static_cast<double>(n);
+  };
+  const auto release_made = [&] {
     for (const auto h : made) {
       layer.release(h);
     }
     made.clear();
-    return us;
   };
   const auto mean_us_until = [](const std::atomic<bool>& done, auto&& call) {
     std::size_t count = 0;
@@ -215,6 +216,7 @@ void calls_beside_a_create(cudamem::detail::driver_vm_mapping& layer) {
     layer.unmap(va, handle);
   };
   const double create_alone = create_all();
+  release_made();
   const auto sleep_as_long = [&] {
     std::this_thread::sleep_for(std::chrono::duration<double, std::micro>(create_alone * n));
   };
@@ -225,10 +227,14 @@ void calls_beside_a_create(cudamem::detail::driver_vm_mapping& layer) {
     return while_running(
         [&](const std::atomic<bool>& done) { return mean_us_until(done, call); }, other);
   };
+  // (The creates' handles are released after each timing: a cuMemRelease on the second thread
+  // held a map + access + unmap here up for milliseconds.)
   const double record_alone = beside(record, sleep_as_long);
   const double record_beside = beside(record, create_beside_records);
+  release_made();
   const double cycle_alone = beside(map_access_unmap, sleep_as_long);
   const double cycle_beside = beside(map_access_unmap, create_all);
+  release_made();
   std::printf("\nbeside a thread creating %zu MiB handles (us per call): cudaEventRecord %.2f "
               "alone, %.2f beside; cuMemCreate %.1f alone, %.1f beside the records; "
               "map+access+unmap of one handle %.1f alone, %.1f beside\n",
