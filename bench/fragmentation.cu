@@ -596,7 +596,7 @@ call_rates rates_since(const cudamem::vm_resource_stats& before,
 variant_run cold_then_warm(const mixed_spec& spec, allocator_under_test& a,
                            const cudamem::vm_pool_resource* vm) {
   variant_run r;
-  empty_for_cold_start(a);  // fresh already; the previous allocator's memory went back just now
+  empty_for_cold_start(a);  // empty: a fresh allocator, or the device pool trimmed here
   const auto before = vm ? vm->vm_stats() : cudamem::vm_pool_stats{};
   r.cold = mixed(spec, a.alloc, a.release);
   const auto between = vm ? vm->vm_stats() : cudamem::vm_pool_stats{};
@@ -1158,7 +1158,6 @@ int main(int argc, char** argv) {
   if (what.wants("cudaMallocAsync")) {
     variant_allocators.push_back({"cudaMallocAsync", [&](const mixed_spec& spec) {
                                     allocator_under_test a = malloc_async();
-                                    a.empty_cache();
                                     const variant_run r = cold_then_warm(spec, a, nullptr);
                                     a.empty_cache();
                                     check_returned("cudaMallocAsync");
