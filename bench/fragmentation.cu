@@ -14,6 +14,10 @@
 //   bench_fragmentation --only vm_pool --detail   # one allocator; where its time goes
 //   bench_fragmentation --only vm_pool --variant bench,wide --seeds 42,1,2   # just those rows
 //   bench_fragmentation --only vm_pool --pause-ms 2000   # cold runs start 2 s after a release
+//   bench_fragmentation --only vm_pool --variants-only --variant bench --seeds 42
+//                     # one fresh vm_pool, cold then warm, as the process's first allocator:
+//                     # a cold start on a device at rest (the main table's cold mixed run
+//                     # comes right after the swiss run gave 78 GiB back)
 //
 // Main table. "cold" is an allocator's first run (each experiment starts from an empty
 // allocator: its cache is emptied before each); "warm" runs both experiments again on the
@@ -820,9 +824,13 @@ struct selection {
   std::vector<const mixed_variant*> variants;
   std::vector<std::uint64_t> seeds = {42, 1};
   int vm_runs = 5;  ///< fresh vm_pools in the main table (medians)
+  bool variants_only = false;  ///< skip the main table (--variants-only)
 
   [[nodiscard]] bool wants(const char* name) const {
     return only.empty() || std::string(name).find(only) != std::string::npos;
+  }
+  [[nodiscard]] bool wants_in_main_table(const char* name) const {
+    return !variants_only && wants(name);
   }
 };
 
@@ -830,7 +838,7 @@ void run_simulated(const selection& what) {
   constexpr std::size_t capacity = 80 * GiB;
   std::printf("simulated 80 GiB device (no GPU): host-side bookkeeping only, no driver costs\n");
   print_header();
-  if (what.wants("first fit (reference)")) {
+  if (what.wants_in_main_table("first fit (reference)")) {
     cudamem::simulated_resource device{{.capacity = capacity}};
     allocator_under_test a = from_resource("first fit (reference)", device, {});
     run(a, "cold", capacity, true);
@@ -838,7 +846,7 @@ void run_simulated(const selection& what) {
   for (auto layout : {cudamem::simulated_layout::first_fit, cudamem::simulated_layout::paged}) {
     const char* name =
         layout == cudamem::simulated_layout::paged ? "pool over paged" : "pool over first fit";
-    if (!what.wants(name)) {
+    if (!what.wants_in_main_table(name)) {
       continue;
     }
     cudamem::simulated_resource device{{.capacity = capacity, .layout = layout}};
@@ -857,7 +865,7 @@ void run_simulated(const selection& what) {
   const std::vector<cudaStream_t> fake_streams = {
       reinterpret_cast<cudaStream_t>(0x1000), reinterpret_cast<cudaStream_t>(0x2000),
       reinterpret_cast<cudaStream_t>(0x3000), reinterpret_cast<cudaStream_t>(0x4000)};
-  if (what.wants("cudamem vm_pool")) {
+  if (what.wants_in_main_table("cudamem vm_pool")) {
     const auto vm = make_vm();
     allocator_under_test a = from_resource("cudamem vm_pool", *vm, fake_streams);
     a.empty_cache = [&] { vm->release(); };
@@ -911,7 +919,7 @@ int main(int argc, char** argv) {
   const auto usage = [] {
     std::fprintf(stderr,
                  "usage: bench_fragmentation [--simulated] [--detail] [--only NAME] [--vm-runs N]\n"
-                 "         [--pause-ms N]\n"
+                 "         [--pause-ms N] [--variants-only]\n"
                  "         [--variant all|none|NAME[,NAME...]] [--seeds N[,N...]]\n"
                  "variants:");
     for (const mixed_variant& v : mixed_variants()) {
@@ -930,6 +938,8 @@ int main(int argc, char** argv) {
       what.only = argv[++i];
     } else if (arg == "--pause-ms" && i + 1 < argc) {
       cold_pause_ms = std::max(0, std::atoi(argv[++i]));
+    } else if (arg == "--variants-only") {
+      what.variants_only = true;
     } else if (arg == "--vm-runs" && i + 1 < argc) {
       what.vm_runs = std::max(1, std::atoi(argv[++i]));
     } else if (arg == "--variant" && i + 1 < argc) {
@@ -1001,7 +1011,7 @@ int main(int argc, char** argv) {
     }
   };
 
-  if (what.wants("cudaMalloc")) {
+  if (what.wants_in_main_table("cudaMalloc")) {
     allocator_under_test a;
     a.name = "cudaMalloc";
     a.alloc = [](std::size_t n, std::size_t) -> void* {
@@ -1041,7 +1051,7 @@ int main(int argc, char** argv) {
     };
     return a;
   };
-  if (what.wants("cudaMallocAsync")) {
+  if (what.wants_in_main_table("cudaMallocAsync")) {
     allocator_under_test a = malloc_async();
     const std::size_t free = device_free_now();
     run(a, "cold", free, true);
@@ -1049,7 +1059,7 @@ int main(int argc, char** argv) {
     a.empty_cache();
     check_returned("cudaMallocAsync");
   }
-  if (what.wants("CUB caching")) {
+  if (what.wants_in_main_table("CUB caching")) {
     {  // the allocator is destroyed before its memory is counted back
       cub::CachingDeviceAllocator cub(8, 3, 22, std::size_t{64} << 30);
       allocator_under_test a;
@@ -1072,7 +1082,7 @@ int main(int argc, char** argv) {
     }
     check_returned("CUB");
   }
-  if (what.wants("thrust disjoint pool")) {
+  if (what.wants_in_main_table("thrust disjoint pool")) {
     {  // the allocator is destroyed before its memory is counted back
       using thrust_pool =
           thrust::mr::disjoint_unsynchronized_pool_resource<thrust::device_memory_resource,
@@ -1094,7 +1104,7 @@ int main(int argc, char** argv) {
     }
     check_returned("thrust's pool");
   }
-  if (what.wants("cudamem pool")) {
+  if (what.wants_in_main_table("cudamem pool")) {
     {  // the allocator is destroyed before its memory is counted back
       cudamem::device_resource device{0};
       cudamem::pool_resource pool{device};
@@ -1106,7 +1116,7 @@ int main(int argc, char** argv) {
     }
     check_returned("cudamem pool");
   }
-  for (int rep = 0; what.wants("cudamem vm_pool") && rep < what.vm_runs; ++rep) {
+  for (int rep = 0; what.wants_in_main_table("cudamem vm_pool") && rep < what.vm_runs; ++rep) {
     {
       // The floor's costs, now: the device is empty again, and the driver's costs drift with
       // what it did before (another allocator's frees, the previous run's).
@@ -1136,7 +1146,7 @@ int main(int argc, char** argv) {
     }
     check_returned("cudamem vm_pool");
   }
-  if (what.vm_runs > 1) {
+  if (what.vm_runs > 1 && !what.variants_only) {
     keep_medians("cudamem vm_pool", "cold");
     keep_medians("cudamem vm_pool", "warm");
   }
