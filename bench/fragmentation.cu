@@ -837,7 +837,9 @@ struct selection {
 void run_simulated(const selection& what) {
   constexpr std::size_t capacity = 80 * GiB;
   std::printf("simulated 80 GiB device (no GPU): host-side bookkeeping only, no driver costs\n");
-  print_header();
+  if (!what.variants_only) {
+    print_header();
+  }
   if (what.wants_in_main_table("first fit (reference)")) {
     cudamem::simulated_resource device{{.capacity = capacity}};
     allocator_under_test a = from_resource("first fit (reference)", device, {});
@@ -996,7 +998,9 @@ int main(int argc, char** argv) {
     std::printf("cold experiments start %d ms after the allocator emptied its cache\n",
                 cold_pause_ms);
   }
-  print_header();
+  if (!what.variants_only) {
+    print_header();
+  }
   std::vector<cudaStream_t> streams(4, nullptr);
   for (cudaStream_t& s : streams) {
     require(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
@@ -1146,7 +1150,7 @@ int main(int argc, char** argv) {
     }
     check_returned("cudamem vm_pool");
   }
-  if (what.vm_runs > 1 && !what.variants_only) {
+  if (what.vm_runs > 1) {
     keep_medians("cudamem vm_pool", "cold");
     keep_medians("cudamem vm_pool", "warm");
   }
