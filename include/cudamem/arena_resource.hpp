@@ -147,7 +147,7 @@ class arena_resource final : public memory_resource {
     regions_.reserve(regions_.size() + 1);  // before the bump: a bad_alloc here loses nothing
     void* p = bump(bytes, alignment);
     regions_.push_back({current_, reinterpret_cast<std::uintptr_t>(p)});
-    detail::memory_annotations::add_region(chunks_[current_].heap, p, bytes);
+    detail::memory_annotations::add_region(device(), chunks_[current_].heap, p, bytes);
     return p;
   }
 
@@ -159,7 +159,8 @@ class arena_resource final : public memory_resource {
           (r.chunk == m.chunk && r.address < chunks_[r.chunk].base + m.offset)) {
         break;
       }
-      detail::memory_annotations::remove_region(reinterpret_cast<const void*>(r.address));
+      detail::memory_annotations::remove_region(device(),
+                                                reinterpret_cast<const void*>(r.address));
       regions_.pop_back();
     }
   }
@@ -206,7 +207,7 @@ class arena_resource final : public memory_resource {
         rethrow_out_of_memory(*this, bytes, alignment, chunk_failure);
       }
       void* heap = annotates_ ? detail::memory_annotations::add_heap(
-                                    p, size, "cudamem::arena_resource chunk")
+                                    device(), p, size, "cudamem::arena_resource chunk")
                               : nullptr;
       chunks_.push_back({reinterpret_cast<std::uintptr_t>(p), size, heap});
       reserved_ += size;
@@ -227,7 +228,7 @@ class arena_resource final : public memory_resource {
   void release_chunks(const stream_view* s) noexcept {
     regions_.clear();
     for (const chunk& c : chunks_) {
-      detail::memory_annotations::remove_heap(c.heap);  // and every region in it
+      detail::memory_annotations::remove_heap(device(), c.heap);  // and every region in it
       if (s != nullptr) {
         upstream_->deallocate(reinterpret_cast<void*>(c.base), c.size, default_alignment, *s);
       } else {

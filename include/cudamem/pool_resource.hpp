@@ -281,7 +281,7 @@ class pool_resource final : public memory_resource, private detail::stream_liste
     if (shard* owner = chunks_.owner_of(address)) {
       owner->mutex.lock();
       if (block* b = owner->live.find(address); b != nullptr && !b->cached) {
-        detail::memory_annotations::remove_region(p);
+        detail::memory_annotations::remove_region(policy_.device, p);
         finish_free_slow(*owner, b, bytes, stream);  // the general case serves any free
         return;
       }

@@ -3,10 +3,10 @@
 // to link; NVTX finds the tool at run time).
 //
 //   const bool annotates = annotates_sub_allocations(device_memory, upstream.allows_nvtx_heaps());
-//   void* heap = memory_annotations::add_heap(chunk, bytes, "my pool chunk");  // new chunk
-//   if (annotates) memory_annotations::add_region(heap, p, n);   // a block handed out
-//   if (annotates) memory_annotations::remove_region(p);         // freed, before any reuse
-//   memory_annotations::remove_heap(heap);                       // the chunk goes back
+//   void* heap = memory_annotations::add_heap(device, chunk, bytes, "my pool chunk");  // new chunk
+//   if (annotates) memory_annotations::add_region(device, heap, p, n);  // a block handed out
+//   if (annotates) memory_annotations::remove_region(device, p);        // freed, before any reuse
+//   memory_annotations::remove_heap(device, heap);                      // the chunk goes back
 //
 // Why. A pool hands out pieces of one large cudaMalloc. To compute-sanitizer that is one
 // allocation: a kernel writing one element past a pooled block into its neighbour, or reading
@@ -23,6 +23,14 @@
 // annotates only when its upstream says it may (memory_resource::allows_nvtx_heaps: true for
 // device_resource, and for adaptors over it); an arena over a pool is then checked at the
 // pool's granularity (its chunk is one live block).
+//
+// Which device. compute-sanitizer keeps a heap and its regions with the context that was
+// current when the heap was registered, and refuses ("One or more of the parameters is
+// invalid", counted as an error) a call about them made while another device is current: a
+// block of device 1's pool freed by a thread that has device 0 current, seen on two H200s.
+// So every call here takes the memory's device and makes it current around the NVTX call
+// (detail/cuda/quiet_device_scope.hpp: one cudaGetDevice when it already is), on the
+// annotated paths only; -1 leaves the current device as it is.
 //
 // Cost. NVTX's functions return at once with no tool attached, but the hot paths do not even
 // call them: a tool attaches through the environment variable NVTX_INJECTION64_PATH (that is
@@ -49,9 +57,12 @@
 #include <nvtx3/nvToolsExtMem.h>
 #endif
 
+#include <cudamem/detail/cuda/quiet_device_scope.hpp>
+
 #include <cstdlib>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 
 namespace cudamem::detail {
 
@@ -76,12 +87,14 @@ inline constexpr bool nvtx_compiled = CUDAMEM_NVTX != 0;
 }
 
 /// The calls a sub-allocator makes; out of line, so the hot paths that call them (behind their
-/// flag) stay small.
+/// flag) stay small. `device`: the memory's device, current during the call (-1: as it is).
 struct memory_annotations {
   /// Registers [base, base + bytes) as a sub-allocator's heap: nothing in it is usable until a
   /// region is added. Returns the heap's handle (for virtual addresses, NVTX's contract makes
   /// it the base address; a tool may also return it).
-  [[gnu::noinline]] static void* add_heap(void* base, std::size_t bytes, const char* what) noexcept {
+  [[gnu::noinline]] static void* add_heap(int device, void* base, std::size_t bytes,
+                                          const char* what) noexcept {
+    const on_device on{device};
     nvtxMemVirtualRangeDesc_t range{};
     range.ptr = base;
     range.size = bytes;
@@ -103,17 +116,20 @@ struct memory_annotations {
   }
 
   /// Unregisters a heap (and every region still in it). `heap` may be nullptr: nothing.
-  [[gnu::noinline]] static void remove_heap(void* heap) noexcept {
+  [[gnu::noinline]] static void remove_heap(int device, void* heap) noexcept {
     if (heap != nullptr) {
+      const on_device on{device};
       nvtxMemHeapUnregister(nvtx_domain(), static_cast<nvtxMemHeapHandle_t>(heap));
     }
   }
 
   /// [p, p + bytes), inside `heap`, is a live block.
-  [[gnu::noinline]] static void add_region(void* heap, const void* p, std::size_t bytes) noexcept {
+  [[gnu::noinline]] static void add_region(int device, void* heap, const void* p,
+                                           std::size_t bytes) noexcept {
     if (heap == nullptr || bytes == 0) {
       return;
     }
+    const on_device on{device};
     nvtxMemVirtualRangeDesc_t range{};
     range.ptr = p;
     range.size = bytes;
@@ -129,7 +145,8 @@ struct memory_annotations {
   }
 
   /// The block at `p` (added with add_region) is free.
-  [[gnu::noinline]] static void remove_region(const void* p) noexcept {
+  [[gnu::noinline]] static void remove_region(int device, const void* p) noexcept {
+    const on_device on{device};
     nvtxMemRegionRef_t ref{};
     ref.pointer = p;
     nvtxMemRegionsUnregisterBatch_t batch{};
@@ -141,6 +158,17 @@ struct memory_annotations {
     batch.refElements = &ref;
     nvtxMemRegionsUnregister(nvtx_domain(), &batch);
   }
+
+ private:
+  /// `device` current for the call (see "Which device"); a failure to switch is reported.
+  struct on_device {
+    explicit on_device(int device) noexcept {
+      if (device >= 0) {
+        scope.emplace(device, "cudamem: making a pool's device current for an NVTX annotation");
+      }
+    }
+    std::optional<quiet_device_scope> scope;
+  };
 };
 
 #else  // CUDAMEM_NVTX == 0: no NVTX at all
@@ -148,10 +176,10 @@ struct memory_annotations {
 [[nodiscard]] constexpr bool nvtx_tool_attached() noexcept { return false; }
 
 struct memory_annotations {
-  static void* add_heap(void*, std::size_t, const char*) noexcept { return nullptr; }
-  static void remove_heap(void*) noexcept {}
-  static void add_region(void*, const void*, std::size_t) noexcept {}
-  static void remove_region(const void*) noexcept {}
+  static void* add_heap(int, void*, std::size_t, const char*) noexcept { return nullptr; }
+  static void remove_heap(int, void*) noexcept {}
+  static void add_region(int, void*, const void*, std::size_t) noexcept {}
+  static void remove_region(int, const void*) noexcept {}
 };
 
 #endif

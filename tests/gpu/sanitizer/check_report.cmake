@@ -3,7 +3,8 @@
 #         -P check_report.cmake
 # EXPECT is a regex the report must contain (a planted bug: the tool must name it, and count
 # at least one error), or CLEAN (a correct program: 0 errors, and with memcheck 0 leaks).
-# Prints the report either way. "SKIPPED: ..." when there is no sanitizer or no device.
+# Prints the report either way. "SKIPPED: ..." when there is no sanitizer or no device, or when
+# the mode itself skips (it needs two GPUs).
 cmake_minimum_required(VERSION 3.25)
 if(SANITIZER STREQUAL "")
   message("SKIPPED: compute-sanitizer not found")
@@ -24,6 +25,10 @@ endif()
 execute_process(COMMAND ${SANITIZER} ${options} ${CHILD} ${MODE}
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
 message("compute-sanitizer ${options} planted_bugs ${MODE} exited ${rc}:\n${out}")
+if(out MATCHES "SKIPPED: ([^\n]*)")
+  message("SKIPPED: planted_bugs ${MODE}: ${CMAKE_MATCH_1}")  # e.g. a mode that needs 2 GPUs
+  return()
+endif()
 
 # A planted bug may end the program (memcheck stops a faulting kernel, and the context is lost
 # after it); a correct program must run to its end.

@@ -6,7 +6,10 @@
 //
 // Modes (RESOURCE is cudamalloc, pool, arena (over device_resource) or vm_pool; vm_pool is not
 // annotated — compute-sanitizer refuses NVTX heaps in VMM-mapped memory — so only its
-// uninitialised read is reported, as for any fresh memory):
+// uninitialised read is reported, as for any fresh memory; pool1 and arena1 are a pool and an
+// arena over device 1's memory, allocated from, freed to and destroyed by this thread with
+// device 0 current — only the kernels run with device 1 current — and need two GPUs: with one
+// they print "SKIPPED: needs 2 GPUs" and exit 0):
 //   oob-RESOURCE      writes one element past block a, whose neighbour b in the same chunk is
 //                     live (memcheck: "Invalid __global__ write")
 //   uaf-RESOURCE      reads block a after it was freed (memcheck: "Invalid __global__ read");
@@ -19,10 +22,13 @@
 //                     of bounds (memcheck)
 //   correct           every resource used correctly, and an arena over a pool (whose chunks
 //                     are pool blocks, so it must not annotate): nothing to report or leak
+//   correct-other-device   pool1 and arena1 used correctly: nothing to report or leak (the
+//                     tool refuses an annotation made with another device current)
 //   probe-nvtx, probe-vm   what the tool answers (diagnostics, not tests)
 // With no usable device it prints one line and exits 69.
 #include <cudamem/arena_resource.hpp>
 #include <cudamem/detail/nvtx.hpp>
+#include <cudamem/device.hpp>
 #include <cudamem/device_resource.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/pool_resource.hpp>
@@ -36,6 +42,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <initializer_list>
 #include <memory>
 #include <string>
 
@@ -67,23 +74,34 @@ __global__ void sum_into(const float* p, std::size_t count, float* out) {
 
 void launched(const char* what) { cudamem::check(cudaGetLastError(), what); }
 
+/// The device a resource kind's memory is on: 1 for pool1 and arena1, else 0.
+int device_of_kind(const std::string& kind) { return kind.ends_with('1') ? 1 : 0; }
+
 /// Allocates and frees through one resource kind, so every mode runs the same code over each.
+/// Allocation and free run with device 0 current, whatever the memory's device.
 struct source {
   std::string kind;
-  cudamem::stream s;
+  int memory_device;
+  cudamem::stream s;  // on memory_device
   std::unique_ptr<cudamem::device_resource> device;
   std::unique_ptr<cudamem::pool_resource> pool;
   std::unique_ptr<cudamem::arena_resource> arena;
   std::unique_ptr<cudamem::vm_pool_resource> vm_pool;
 
-  explicit source(std::string k) : kind(std::move(k)) {
+  explicit source(std::string k)
+      : kind(std::move(k)),
+        memory_device(device_of_kind(kind)),
+        s(cudamem::stream_options{.device = memory_device}) {
     if (kind == "pool" || kind == "arena" || kind == "arena_over_pool") {
       device = std::make_unique<cudamem::device_resource>();
     }
-    if (kind == "pool" || kind == "arena_over_pool") {
+    if (kind == "pool1" || kind == "arena1") {
+      device = std::make_unique<cudamem::device_resource>(1);
+    }
+    if (kind == "pool" || kind == "arena_over_pool" || kind == "pool1") {
       pool = std::make_unique<cudamem::pool_resource>(*device);
     }
-    if (kind == "arena") {
+    if (kind == "arena" || kind == "arena1") {
       arena = std::make_unique<cudamem::arena_resource>(*device);
     }
     if (kind == "arena_over_pool") {
@@ -113,6 +131,10 @@ struct source {
     }
     resource()->deallocate(p, b, 256, s);
   }
+  /// The memory's device, current while it lives: for kernel launches on `s`.
+  [[nodiscard]] cudamem::device_guard for_kernels() const {
+    return cudamem::device_guard{memory_device};
+  }
 };
 
 /// a and b side by side (for a pool, in the same chunk), both live: a[n] is one past a.
@@ -121,9 +143,12 @@ void out_of_bounds(source& src) {
   float* b = src.allocate(bytes);
   std::printf("a=%p b=%p (b - a = %td floats)\n", static_cast<void*>(a), static_cast<void*>(b),
               b - a);
-  fill<<<(n + 255) / 256, 256, 0, src.s.get()>>>(b, n, 1.0f);
-  write_at<<<1, 1, 0, src.s.get()>>>(a, n, 2.0f);  // the bug: one past the end of a
-  launched("write_at");
+  {
+    const auto on = src.for_kernels();
+    fill<<<(n + 255) / 256, 256, 0, src.s.get()>>>(b, n, 1.0f);
+    write_at<<<1, 1, 0, src.s.get()>>>(a, n, 2.0f);  // the bug: one past the end of a
+    launched("write_at");
+  }
   src.s.synchronize();
   src.deallocate(b, bytes);
   src.deallocate(a, bytes);
@@ -133,11 +158,17 @@ void out_of_bounds(source& src) {
 void use_after_free(source& src) {
   float* a = src.allocate(bytes);
   float* keep = src.allocate(bytes);  // keeps the chunk alive: the pool cannot return it
-  fill<<<(n + 255) / 256, 256, 0, src.s.get()>>>(a, n, 1.0f);
+  {
+    const auto on = src.for_kernels();
+    fill<<<(n + 255) / 256, 256, 0, src.s.get()>>>(a, n, 1.0f);
+  }
   src.deallocate(a, bytes);
   float* out = src.allocate(sizeof(float));
-  sum_into<<<1, 1, 0, src.s.get()>>>(a, n, out);  // the bug: a was freed
-  launched("sum_into");
+  {
+    const auto on = src.for_kernels();
+    sum_into<<<1, 1, 0, src.s.get()>>>(a, n, out);  // the bug: a was freed
+    launched("sum_into");
+  }
   src.s.synchronize();
   src.deallocate(out, sizeof(float));
   src.deallocate(keep, bytes);
@@ -147,8 +178,11 @@ void use_after_free(source& src) {
 void uninitialised(source& src) {
   float* a = src.allocate(bytes);
   float* out = src.allocate(sizeof(float));
-  sum_into<<<1, 1, 0, src.s.get()>>>(a, n, out);  // the bug: nobody wrote a
-  launched("sum_into");
+  {
+    const auto on = src.for_kernels();
+    sum_into<<<1, 1, 0, src.s.get()>>>(a, n, out);  // the bug: nobody wrote a
+    launched("sum_into");
+  }
   src.s.synchronize();
   src.deallocate(out, sizeof(float));
   src.deallocate(a, bytes);
@@ -183,19 +217,22 @@ void reused_block() {
   src.s.synchronize();
 }
 
-void correct() {
-  for (const char* kind : {"cudamalloc", "pool", "arena", "arena_over_pool", "vm_pool"}) {
+void correct(std::initializer_list<const char*> kinds) {
+  for (const char* kind : kinds) {
     source src{kind};
     float* a = src.allocate(bytes);
     float* b = src.allocate(bytes);
     float* out = src.allocate(sizeof(float));
-    fill<<<(n + 255) / 256, 256, 0, src.s.get()>>>(a, n, 1.0f);
-    fill<<<(n + 255) / 256, 256, 0, src.s.get()>>>(b, n, 2.0f);
-    sum_into<<<1, 1, 0, src.s.get()>>>(a, n, out);
-    launched("sum_into");
     float sum = 0;
-    cudamem::check(cudaMemcpyAsync(&sum, out, sizeof sum, cudaMemcpyDeviceToHost, src.s.get()),
-                   "cudaMemcpyAsync");
+    {
+      const auto on = src.for_kernels();
+      fill<<<(n + 255) / 256, 256, 0, src.s.get()>>>(a, n, 1.0f);
+      fill<<<(n + 255) / 256, 256, 0, src.s.get()>>>(b, n, 2.0f);
+      sum_into<<<1, 1, 0, src.s.get()>>>(a, n, out);
+      launched("sum_into");
+      cudamem::check(cudaMemcpyAsync(&sum, out, sizeof sum, cudaMemcpyDeviceToHost, src.s.get()),
+                     "cudaMemcpyAsync");
+    }
     src.s.synchronize();
     if (sum != static_cast<float>(n)) {
       std::fprintf(stderr, "correct: %s summed %f, expected %zu\n", kind, sum, n);
@@ -225,6 +262,10 @@ int main(int argc, char** argv) try {
   const auto dash = mode.find('-');
   const std::string what = mode.substr(0, dash);
   const std::string kind = dash == std::string::npos ? "" : mode.substr(dash + 1);
+  if ((device_of_kind(kind) == 1 || mode == "correct-other-device") && count < 2) {
+    std::printf("SKIPPED: needs 2 GPUs (%d visible)\n", count);
+    return 0;
+  }
   if (what == "oob") {
     source src{kind};
     out_of_bounds(src);
@@ -239,24 +280,27 @@ int main(int argc, char** argv) try {
   } else if (mode == "reuse-pool") {
     reused_block();
   } else if (mode == "correct") {
-    correct();
+    correct({"cudamalloc", "pool", "arena", "arena_over_pool", "vm_pool"});
+  } else if (mode == "correct-other-device") {
+    correct({"pool1", "arena1"});
   } else if (mode == "probe-nvtx") {  // what the NVTX tool answers (diagnostics, not a test)
     float* p = nullptr;
     cudamem::check(cudaMalloc(&p, 1 << 20), "cudaMalloc");
-    void* heap = cudamem::detail::memory_annotations::add_heap(p, 1 << 20, "probe");
+    void* heap = cudamem::detail::memory_annotations::add_heap(0, p, 1 << 20, "probe");
     std::printf("tool attached %d, domain %p, heap %p (base %p)\n",
                 cudamem::detail::nvtx_tool_attached() ? 1 : 0,
                 static_cast<void*>(cudamem::detail::nvtx_domain()), heap, static_cast<void*>(p));
-    cudamem::detail::memory_annotations::remove_heap(heap);
+    cudamem::detail::memory_annotations::remove_heap(0, heap);
     cudamem::check(cudaFree(p), "cudaFree");
   } else if (mode == "probe-vm") {  // does the tool take a heap over VMM memory? (diagnostics)
     cudamem::vm_resource vm{0};
     void* p = vm.allocate(std::size_t{64} << 20);
     std::printf("vm block %p (one 64 MiB handle)\n", p);
-    void* heap = cudamem::detail::memory_annotations::add_heap(p, std::size_t{64} << 20, "probe-vm");
-    cudamem::detail::memory_annotations::add_region(heap, p, 4096);
-    cudamem::detail::memory_annotations::remove_region(p);
-    cudamem::detail::memory_annotations::remove_heap(heap);
+    void* heap =
+        cudamem::detail::memory_annotations::add_heap(0, p, std::size_t{64} << 20, "probe-vm");
+    cudamem::detail::memory_annotations::add_region(0, heap, p, 4096);
+    cudamem::detail::memory_annotations::remove_region(0, p);
+    cudamem::detail::memory_annotations::remove_heap(0, heap);
     vm.deallocate(p, std::size_t{64} << 20);
   } else {
     std::fprintf(stderr, "planted_bugs: unknown mode %s\n", mode.c_str());

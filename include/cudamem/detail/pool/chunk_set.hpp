@@ -66,7 +66,7 @@ class chunk_set {
       auto it = directory_.upper_bound(reinterpret_cast<std::uintptr_t>(p));
       heap = it != directory_.begin() ? std::prev(it)->second.heap : nullptr;
     }
-    memory_annotations::add_region(heap, p, bytes);
+    memory_annotations::add_region(policy_->device, heap, p, bytes);
   }
 
   [[nodiscard]] std::size_t count() const {
@@ -124,7 +124,8 @@ class chunk_set {
     }
     reserved_ += size;
     if (policy_->annotates) {  // the upstream allocated: the CUDA runtime is initialised
-      void* heap = memory_annotations::add_heap(p, size, "cudamem::pool_resource chunk");
+      void* heap = memory_annotations::add_heap(policy_->device, p, size,
+                                                      "cudamem::pool_resource chunk");
       const std::unique_lock lock(directory_mutex_);
       directory_.find(reinterpret_cast<std::uintptr_t>(p))->second.heap = heap;
     }
@@ -233,7 +234,7 @@ class chunk_set {
     }
     const std::lock_guard upstream_lock(upstream_mutex_);
     for (const auto& [base, e] : directory_) {
-      memory_annotations::remove_heap(e.heap);
+      memory_annotations::remove_heap(policy_->device, e.heap);
       upstream_->deallocate(reinterpret_cast<void*>(base), e.size, pool_policy::granule);
     }
   }
@@ -261,7 +262,7 @@ class chunk_set {
       {
         const std::unique_lock lock(directory_mutex_);
         const auto it = directory_.find(c.base);
-        memory_annotations::remove_heap(it->second.heap);
+        memory_annotations::remove_heap(policy_->device, it->second.heap);
         directory_.erase(it);
       }
       upstream_->deallocate(reinterpret_cast<void*>(c.base), c.size, pool_policy::granule);
