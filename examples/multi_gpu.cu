@@ -12,6 +12,9 @@
 // slices on device 0 with copy() ordered after each worker's stream, under peer_access guards
 // that leave peer access as they found it. Buffers made by the workers are freed on the main
 // thread, with device 0 current: each goes back to its own device's pool.
+// Peer access is enabled before anything is allocated: CUDA allows it later too, but
+// compute-sanitizer then loses track of the pool blocks that already exist (README, "Debugging
+// with compute-sanitizer").
 // With one GPU it still runs (the whole job on device 0) and says so.
 #include <cudamem/cudamem.hpp>
 
@@ -74,6 +77,16 @@ int main() try {
   }
 
   // --- cudamem: a pool per device, a guard per worker, peer copies to gather --------------------
+  // Peer access first, both ways between device 0 and every other device that has a path.
+  std::vector<cudamem::peer_access> reach;
+  int direct = 0;
+  for (int k = 1; k < gpus; ++k) {
+    if (cudamem::can_access_peer(0, k) && cudamem::can_access_peer(k, 0)) {
+      reach.emplace_back(0, k);
+      reach.emplace_back(k, 0);
+      ++direct;
+    }
+  }
   auto pools = cudamem::per_device_resources::pools();  // current resource of every device
   std::vector<float> input(n);
   for (std::size_t i = 0; i < n; ++i) {
@@ -106,16 +119,7 @@ int main() try {
   }
 
   // Gather on device 0: each slice copied after its worker's stream, directly between GPUs
-  // where a peer path exists (the guards enable it and restore it after).
-  std::vector<cudamem::peer_access> reach;
-  int direct = 0;
-  for (int k = 1; k < gpus; ++k) {
-    if (cudamem::can_access_peer(0, k) && cudamem::can_access_peer(k, 0)) {
-      reach.emplace_back(0, k);
-      reach.emplace_back(k, 0);
-      ++direct;
-    }
-  }
+  // where a peer path exists (the guards above enabled it; they restore it at the end).
   const cudamem::device_guard on_0{0};
   std::vector<float> host(n);
   {

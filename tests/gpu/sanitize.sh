@@ -19,6 +19,11 @@
 #                         a context's cost...). initcheck, racecheck and synccheck keep device
 #                         memory of their own that moves it (seen on the H100: 34 MiB in one
 #                         scope), so only memcheck, which leaves it alone, runs these cases.
+#   [peer-copy]           copies pool memory (NVTX-annotated) between two GPUs with peer access
+#                         on. initcheck fails inside itself there ("Internal Sanitizer Error: The
+#                         Sanitizer failed to handle a hardware exception", and the copy returns
+#                         cudaErrorIllegalAddress; seen on two H200s, CUDA 13.0, where memcheck,
+#                         racecheck and synccheck pass the same cases), so initcheck skips them.
 # Whole-program tests (a main() of their own, no Catch2: tests/gpu/exit/) run once, strict,
 # with no arguments.
 # initcheck, racecheck and synccheck run every case but the [free-memory] ones in one pass
@@ -60,6 +65,7 @@ readonly error_only_filter='[expected-api-error]~[expected-leak]'
 readonly leak_only_filter='[expected-leak]~[expected-api-error]'
 readonly both_filter='[expected-api-error][expected-leak]'
 readonly not_free_memory='~[free-memory]'
+readonly not_free_memory_or_peer_copy='~[free-memory]~[peer-copy]'
 
 failed=0
 skipped=0
@@ -162,7 +168,9 @@ for exe in "$build"/tests/gpu_*; do
   fi
   for tool in initcheck racecheck synccheck; do
     if has_tool "$tool"; then
-      run_pass "$name" "$tool" --tool "$tool" --report-api-errors no -- "$exe" "$not_free_memory"
+      filter=$not_free_memory
+      [[ $tool == initcheck ]] && filter=$not_free_memory_or_peer_copy
+      run_pass "$name" "$tool" --tool "$tool" --report-api-errors no -- "$exe" "$filter"
     fi
   done
 done
@@ -197,6 +205,11 @@ memcheck_only() {
     *) return 1 ;;
   esac
 }
+# no_initcheck NAME: examples that copy pool memory between GPUs with peer access on, which
+# initcheck cannot run (see [peer-copy] above); with one GPU they make no such copy.
+no_initcheck() {
+  [[ $1 == multi_gpu ]]
+}
 for exe in "$build"/examples/*; do
   [[ -f $exe && -x $exe ]] || continue
   name=example.$(basename "$exe")
@@ -204,6 +217,10 @@ for exe in "$build"/examples/*; do
   for tool in $tools; do
     if [[ $tool != memcheck ]] && memcheck_only "$(basename "$exe")"; then
       line "$name" "$tool ($expects)" "-" "memcheck only: the demonstration measures the device"
+      continue
+    fi
+    if [[ $tool == initcheck ]] && no_initcheck "$(basename "$exe")"; then
+      line "$name" "$tool ($expects)" "-" "not under initcheck: peer copies of pool memory"
       continue
     fi
     options=(--tool "$tool")

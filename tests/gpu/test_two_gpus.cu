@@ -333,7 +333,9 @@ TEST_CASE("peer_access from many threads at once balances to the state before") 
   CHECK_FALSE(peer_enabled(1, 0));
 }
 
-TEST_CASE("copy between device buffers of two GPUs, both ways, with and without peer access") {
+// [peer-copy]: initcheck cannot run it (tests/gpu/sanitize.sh says why); the other tools do.
+TEST_CASE("copy between device buffers of two GPUs, both ways, with and without peer access",
+          "[peer-copy]") {
   auto pools = per_device_resources::pools({}, {.devices = {0, 1}});
   constexpr std::size_t n = 8 * MiB / sizeof(int);
   stream s0{{.device = 0, .non_blocking = true}};

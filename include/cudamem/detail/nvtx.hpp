@@ -32,6 +32,13 @@
 // (detail/cuda/quiet_device_scope.hpp: one cudaGetDevice when it already is), on the
 // annotated paths only; -1 leaves the current device as it is.
 //
+// Peer access. Also seen on two H200s (CUDA 13.0): once peer access is enabled between the
+// devices, the tool no longer knows the regions registered before it (their unregister is
+// refused, on either device), and initcheck fails inside itself ("Internal Sanitizer Error")
+// when annotated memory is copied between the GPUs. Nothing here can mend the first: enable
+// peer access before the pools allocate (examples/multi_gpu.cu does); tests/gpu/sanitize.sh
+// runs such copies under memcheck, racecheck and synccheck, not initcheck.
+//
 // Cost. NVTX's functions return at once with no tool attached, but the hot paths do not even
 // call them: a tool attaches through the environment variable NVTX_INJECTION64_PATH (that is
 // how compute-sanitizer and Nsight do it), which a resource reads once, when it is built, into

@@ -25,12 +25,15 @@
 //   correct-other-device   pool1 and arena1 used correctly: nothing to report or leak (the
 //                     tool refuses an annotation made with another device current)
 //   probe-nvtx, probe-vm   what the tool answers (diagnostics, not tests)
+//   probe-peer-{late,late-copy,early-copy}[-raw]   pool blocks and peer access (diagnostics,
+//                     two GPUs; see probe_peer)
 // With no usable device it prints one line and exits 69.
 #include <cudamem/arena_resource.hpp>
 #include <cudamem/detail/nvtx.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/device_resource.hpp>
 #include <cudamem/error.hpp>
+#include <cudamem/peer_access.hpp>
 #include <cudamem/pool_resource.hpp>
 #include <cudamem/stream.hpp>
 #include <cudamem/vm_pool_resource.hpp>
@@ -44,6 +47,7 @@
 #include <exception>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace {
@@ -245,6 +249,53 @@ void correct(std::initializer_list<const char*> kinds) {
   }
 }
 
+
+/// probe-peer-MODE (diagnostics, not a test): blocks of device 1's and device 0's pools, small
+/// and large tier, with peer access enabled before allocating (early) or after (late), and a
+/// copy from device 1 to device 0 (copy); markers on stdout place the tool's warnings. With
+/// `raw`, plain device_resources (cudaMalloc, nothing annotated) instead of the pools.
+/// Seen on two H200s: a block annotated before access was enabled cannot be unregistered
+/// after ("nvtxMemRegionsUnregister failed"); initcheck fails inside itself on the copy.
+void probe_peer(bool early, bool copy_it, bool raw) {
+  cudamem::device_resource d0{0}, d1{1};
+  cudamem::pool_resource pool0{d0}, pool1{d1};
+  cudamem::memory_resource& p0 = raw ? static_cast<cudamem::memory_resource&>(d0) : pool0;
+  cudamem::memory_resource& p1 = raw ? static_cast<cudamem::memory_resource&>(d1) : pool1;
+  cudamem::stream s0{cudamem::stream_options{.device = 0}}, s1{cudamem::stream_options{.device = 1}};
+  std::optional<cudamem::peer_access> r01, r10;
+  const auto mark = [](const char* what) { std::printf("marker: %s\n", what); std::fflush(stdout); };
+  if (early) { r01.emplace(0, 1); r10.emplace(1, 0); mark("peer on (early)"); }
+  constexpr std::size_t small = std::size_t{1} << 20, large = std::size_t{32} << 20;
+  void* a_small = p1.allocate(small, 256, s1);
+  void* a_large = p1.allocate(large, 256, s1);
+  void* b_large = p0.allocate(large, 256, s0);
+  {
+    const cudamem::device_guard on{1};
+    fill<<<(small / 4 + 255) / 256, 256, 0, s1.get()>>>(static_cast<float*>(a_small), small / 4, 1.0f);
+    fill<<<(large / 4 + 255) / 256, 256, 0, s1.get()>>>(static_cast<float*>(a_large), large / 4, 1.0f);
+    launched("fill on 1");
+  }
+  fill<<<(large / 4 + 255) / 256, 256, 0, s0.get()>>>(static_cast<float*>(b_large), large / 4, 2.0f);
+  launched("fill on 0");
+  s1.synchronize();
+  s0.synchronize();
+  mark("allocated and filled");
+  if (!early) { r01.emplace(0, 1); r10.emplace(1, 0); mark("peer on (late)"); }
+  if (copy_it) {
+    cudamem::check(cudaMemcpyAsync(b_large, a_large, large, cudaMemcpyDefault, s0.get()), "copy 1->0");
+    s0.synchronize();
+    mark("copied 1 -> 0");
+  }
+  p1.deallocate(a_small, small, 256, s1);
+  mark("freed device 1 small");
+  p1.deallocate(a_large, large, 256, s1);
+  mark("freed device 1 large");
+  p0.deallocate(b_large, large, 256, s0);
+  mark("freed device 0 large");
+  r01.reset();
+  r10.reset();
+  mark("peer off");
+}
 }  // namespace
 
 int main(int argc, char** argv) try {
@@ -283,6 +334,13 @@ int main(int argc, char** argv) try {
     correct({"cudamalloc", "pool", "arena", "arena_over_pool", "vm_pool"});
   } else if (mode == "correct-other-device") {
     correct({"pool1", "arena1"});
+  } else if (mode.starts_with("probe-peer")) {  // diagnostics: see probe_peer
+    if (count < 2) {
+      std::printf("SKIPPED: needs 2 GPUs (%d visible)\n", count);
+      return 0;
+    }
+    probe_peer(mode.find("early") != std::string::npos, mode.find("copy") != std::string::npos,
+               mode.ends_with("-raw"));
   } else if (mode == "probe-nvtx") {  // what the NVTX tool answers (diagnostics, not a test)
     float* p = nullptr;
     cudamem::check(cudaMalloc(&p, 1 << 20), "cudaMalloc");
