@@ -23,7 +23,8 @@
 #                         on. initcheck fails inside itself there ("Internal Sanitizer Error: The
 #                         Sanitizer failed to handle a hardware exception", and the copy returns
 #                         cudaErrorIllegalAddress; seen on two H200s, CUDA 13.0, where memcheck,
-#                         racecheck and synccheck pass the same cases), so initcheck skips them.
+#                         racecheck and synccheck pass the same cases, and initcheck passes the
+#                         same copy of plain cudaMalloc'd buffers), so initcheck skips them.
 # Whole-program tests (a main() of their own, no Catch2: tests/gpu/exit/) run once, strict,
 # with no arguments.
 # initcheck, racecheck and synccheck run every case but the [free-memory] ones in one pass

@@ -35,7 +35,8 @@
 // Peer access. Also seen on two H200s (CUDA 13.0): once peer access is enabled between the
 // devices, the tool no longer knows the regions registered before it (their unregister is
 // refused, on either device), and initcheck fails inside itself ("Internal Sanitizer Error")
-// when annotated memory is copied between the GPUs. Nothing here can mend the first: enable
+// when annotated memory is copied between the GPUs (the same copy of plain cudaMalloc'd
+// buffers runs clean: planted_bugs probe-peer-*-raw). Nothing here can mend the first: enable
 // peer access before the pools allocate (examples/multi_gpu.cu does); tests/gpu/sanitize.sh
 // runs such copies under memcheck, racecheck and synccheck, not initcheck.
 //
