@@ -24,11 +24,11 @@
 // device_resource, and for adaptors over it); an arena over a pool is then checked at the
 // pool's granularity (its chunk is one live block).
 //
-// Which device. compute-sanitizer keeps a heap and its regions with the context that was
-// current when the heap was registered, and refuses ("One or more of the parameters is
-// invalid", counted as an error) a call about them made while another device is current: a
-// block of device 1's pool freed by a thread that has device 0 current, seen on two H200s.
-// So every call here takes the memory's device and makes it current around the NVTX call
+// Which device. On two H200s, compute-sanitizer refused ("One or more of the parameters is
+// invalid", counted as an error) the heap and region calls about device 1's memory made while
+// device 0 was current (a chunk of device 1's pool registered, or its block freed, by a thread
+// with device 0 current), and accepted the same calls made with device 1 current. Then the
+// heap is not there, and the tool sees the chunk as one allocation. So every call here takes the memory's device and makes it current around the NVTX call
 // (detail/cuda/quiet_device_scope.hpp: one cudaGetDevice when it already is), on the
 // annotated paths only; -1 leaves the current device as it is.
 //
