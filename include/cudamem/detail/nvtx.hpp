@@ -28,9 +28,10 @@
 // invalid", counted as an error) the heap and region calls about device 1's memory made while
 // device 0 was current (a chunk of device 1's pool registered, or its block freed, by a thread
 // with device 0 current), and accepted the same calls made with device 1 current. Then the
-// heap is not there, and the tool sees the chunk as one allocation. So every call here takes the memory's device and makes it current around the NVTX call
-// (detail/cuda/quiet_device_scope.hpp: one cudaGetDevice when it already is), on the
-// annotated paths only; -1 leaves the current device as it is.
+// heap is not there, and the tool sees the chunk as one allocation. So every call here takes
+// the memory's device and makes it current around the NVTX call (quiet_device_scope: one
+// cudaGetDevice when it already is), on the annotated paths only (device memory of a known
+// device: annotates_sub_allocations).
 //
 // Peer access. Also seen on two H200s (CUDA 13.0): once peer access is enabled between the
 // devices, the tool no longer knows the regions registered before it (their unregister is
@@ -70,7 +71,6 @@
 #include <cstdlib>
 #include <cstddef>
 #include <cstdint>
-#include <optional>
 
 namespace cudamem::detail {
 
@@ -95,14 +95,14 @@ inline constexpr bool nvtx_compiled = CUDAMEM_NVTX != 0;
 }
 
 /// The calls a sub-allocator makes; out of line, so the hot paths that call them (behind their
-/// flag) stay small. `device`: the memory's device, current during the call (-1: as it is).
+/// flag) stay small. `device`: the memory's device, current during the call.
 struct memory_annotations {
   /// Registers [base, base + bytes) as a sub-allocator's heap: nothing in it is usable until a
   /// region is added. Returns the heap's handle (for virtual addresses, NVTX's contract makes
   /// it the base address; a tool may also return it).
   [[gnu::noinline]] static void* add_heap(int device, void* base, std::size_t bytes,
                                           const char* what) noexcept {
-    const on_device on{device};
+    const quiet_device_scope on{device, annotation_scope_name};
     nvtxMemVirtualRangeDesc_t range{};
     range.ptr = base;
     range.size = bytes;
@@ -126,7 +126,7 @@ struct memory_annotations {
   /// Unregisters a heap (and every region still in it). `heap` may be nullptr: nothing.
   [[gnu::noinline]] static void remove_heap(int device, void* heap) noexcept {
     if (heap != nullptr) {
-      const on_device on{device};
+      const quiet_device_scope on{device, annotation_scope_name};
       nvtxMemHeapUnregister(nvtx_domain(), static_cast<nvtxMemHeapHandle_t>(heap));
     }
   }
@@ -137,7 +137,7 @@ struct memory_annotations {
     if (heap == nullptr || bytes == 0) {
       return;
     }
-    const on_device on{device};
+    const quiet_device_scope on{device, annotation_scope_name};
     nvtxMemVirtualRangeDesc_t range{};
     range.ptr = p;
     range.size = bytes;
@@ -154,7 +154,7 @@ struct memory_annotations {
 
   /// The block at `p` (added with add_region) is free.
   [[gnu::noinline]] static void remove_region(int device, const void* p) noexcept {
-    const on_device on{device};
+    const quiet_device_scope on{device, annotation_scope_name};
     nvtxMemRegionRef_t ref{};
     ref.pointer = p;
     nvtxMemRegionsUnregisterBatch_t batch{};
@@ -168,15 +168,8 @@ struct memory_annotations {
   }
 
  private:
-  /// `device` current for the call (see "Which device"); a failure to switch is reported.
-  struct on_device {
-    explicit on_device(int device) noexcept {
-      if (device >= 0) {
-        scope.emplace(device, "cudamem: making a pool's device current for an NVTX annotation");
-      }
-    }
-    std::optional<quiet_device_scope> scope;
-  };
+  static constexpr const char* annotation_scope_name =
+      "cudamem: making a pool's device current for an NVTX annotation";
 };
 
 #else  // CUDAMEM_NVTX == 0: no NVTX at all
