@@ -261,28 +261,47 @@ void probe_peer(bool early, bool copy_it, bool raw) {
   cudamem::pool_resource pool0{d0}, pool1{d1};
   cudamem::memory_resource& p0 = raw ? static_cast<cudamem::memory_resource&>(d0) : pool0;
   cudamem::memory_resource& p1 = raw ? static_cast<cudamem::memory_resource&>(d1) : pool1;
-  cudamem::stream s0{cudamem::stream_options{.device = 0}}, s1{cudamem::stream_options{.device = 1}};
-  std::optional<cudamem::peer_access> r01, r10;
-  const auto mark = [](const char* what) { std::printf("marker: %s\n", what); std::fflush(stdout); };
-  if (early) { r01.emplace(0, 1); r10.emplace(1, 0); mark("peer on (early)"); }
-  constexpr std::size_t small = std::size_t{1} << 20, large = std::size_t{32} << 20;
+  cudamem::stream s0{cudamem::stream_options{.device = 0}};
+  cudamem::stream s1{cudamem::stream_options{.device = 1}};
+  const auto mark = [](const char* what) {
+    std::printf("marker: %s\n", what);
+    std::fflush(stdout);
+  };
+  std::optional<cudamem::peer_access> reach_01, reach_10;
+  const auto enable_peers = [&](const char* when) {
+    reach_01.emplace(0, 1);
+    reach_10.emplace(1, 0);
+    mark(when);
+  };
+  const auto fill_block = [](void* p, std::size_t block_bytes, float v, cudaStream_t s) {
+    const std::size_t count = block_bytes / sizeof(float);
+    fill<<<static_cast<unsigned>((count + 255) / 256), 256, 0, s>>>(static_cast<float*>(p), count,
+                                                                     v);
+    launched("fill");
+  };
+  if (early) {
+    enable_peers("peer on (early)");
+  }
+  constexpr std::size_t small = std::size_t{1} << 20;
+  constexpr std::size_t large = std::size_t{32} << 20;
   void* a_small = p1.allocate(small, 256, s1);
   void* a_large = p1.allocate(large, 256, s1);
   void* b_large = p0.allocate(large, 256, s0);
   {
     const cudamem::device_guard on{1};
-    fill<<<(small / 4 + 255) / 256, 256, 0, s1.get()>>>(static_cast<float*>(a_small), small / 4, 1.0f);
-    fill<<<(large / 4 + 255) / 256, 256, 0, s1.get()>>>(static_cast<float*>(a_large), large / 4, 1.0f);
-    launched("fill on 1");
+    fill_block(a_small, small, 1.0f, s1.get());
+    fill_block(a_large, large, 1.0f, s1.get());
   }
-  fill<<<(large / 4 + 255) / 256, 256, 0, s0.get()>>>(static_cast<float*>(b_large), large / 4, 2.0f);
-  launched("fill on 0");
+  fill_block(b_large, large, 2.0f, s0.get());
   s1.synchronize();
   s0.synchronize();
   mark("allocated and filled");
-  if (!early) { r01.emplace(0, 1); r10.emplace(1, 0); mark("peer on (late)"); }
+  if (!early) {
+    enable_peers("peer on (late)");
+  }
   if (copy_it) {
-    cudamem::check(cudaMemcpyAsync(b_large, a_large, large, cudaMemcpyDefault, s0.get()), "copy 1->0");
+    cudamem::check(cudaMemcpyAsync(b_large, a_large, large, cudaMemcpyDefault, s0.get()),
+                   "copy 1->0");
     s0.synchronize();
     mark("copied 1 -> 0");
   }
@@ -292,10 +311,11 @@ void probe_peer(bool early, bool copy_it, bool raw) {
   mark("freed device 1 large");
   p0.deallocate(b_large, large, 256, s0);
   mark("freed device 0 large");
-  r01.reset();
-  r10.reset();
+  reach_01.reset();
+  reach_10.reset();
   mark("peer off");
 }
+
 }  // namespace
 
 int main(int argc, char** argv) try {
