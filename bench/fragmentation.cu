@@ -14,6 +14,7 @@
 //   bench_fragmentation --only vm_pool --detail   # one allocator; where its time goes
 //   bench_fragmentation --only vm_pool --variant bench,wide --seeds 42,1,2   # just those rows
 //   bench_fragmentation --only vm_pool --pause-ms 2000   # cold runs start 2 s after a release
+//   bench_fragmentation --only vm_pool --grow-ahead-mib 1024   # vm_pools that grow ahead
 //   bench_fragmentation --only vm_pool --variants-only --variant bench --seeds 42
 //                     # one fresh vm_pool, cold then warm, as the process's first allocator:
 //                     # a cold start on a device at rest (the main table's cold mixed run
@@ -68,6 +69,7 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <new>
 #include <optional>
 #include <sstream>
@@ -172,6 +174,27 @@ void print_row(const std::string& name, const char* run, const fragmentation_res
 
 /// `--pause-ms N`: how long a cold experiment waits after its allocator emptied its cache.
 int cold_pause_ms = 0;
+
+/// `--grow-ahead-mib N`: the vm_pools' grow_ahead_bytes (nullopt: the default).
+std::optional<std::size_t> vm_grow_ahead_bytes;
+/// `--growth-mib N`: the vm_pools' growth_bytes (0: the default).
+std::size_t vm_growth_bytes = 0;
+/// `--simulated-driver-us C,A`: with --simulated, each create takes C us and each set_access A
+/// us per handle (an H100's are ~22-35 and ~37): what overlaps the driver, studied on the host.
+unsigned sim_create_us = 0;
+unsigned sim_access_us = 0;
+
+/// The options every vm_pool of this benchmark is built with.
+cudamem::vm_pool_options bench_vm_options() {
+  cudamem::vm_pool_options o;
+  if (vm_grow_ahead_bytes) {
+    o.grow_ahead_bytes = vm_grow_ahead_bytes;
+  }
+  if (vm_growth_bytes != 0) {
+    o.growth_bytes = vm_growth_bytes;
+  }
+  return o;
+}
 
 /// Empties `a`'s cache and waits `cold_pause_ms`: a fill right after a release pays a tail of
 /// slow cuMemCreate calls (bench_vmm_driver measures it: the driver seems to clear what was
@@ -305,9 +328,10 @@ std::function<std::string()> vm_counters(const cudamem::vm_pool_resource& vm) {
     const cudamem::vm_resource_stats now = vm.vm_stats();
     char line[256];
     std::snprintf(line, sizeof line,
-                  "%zu compactions, %zu handles created, %zu maps, %zu set_access, %zu unmaps",
+                  "%zu compactions, %zu handles created (%zu ahead), %zu maps, %zu set_access, "
+                  "%zu unmaps",
                   now.compactions - last->compactions, now.handles_created - last->handles_created,
-                  now.maps - last->maps, now.access_calls - last->access_calls,
+                  now.handles_created_ahead - last->handles_created_ahead, now.maps - last->maps, now.access_calls - last->access_calls,
                   now.unmaps - last->unmaps);
     *last = now;
     return std::string{line};
@@ -415,6 +439,7 @@ class timed_mapping final : public cudamem::detail::vm_mapping_layer {
   void set_access(std::uintptr_t va, std::size_t bytes) override {
     const stopwatch w{*this, access_call};
     inner_.set_access(va, bytes);
+    const std::lock_guard lock(mutex_);
     access_bytes += bytes;
   }
 
@@ -487,11 +512,15 @@ class timed_mapping final : public cudamem::detail::vm_mapping_layer {
     call k;
     clock_type::time_point start = clock_type::now();
     ~stopwatch() {
-      owner.ns[k] += std::chrono::duration<double, std::nano>(clock_type::now() - start).count();
+      const double spent =
+          std::chrono::duration<double, std::nano>(clock_type::now() - start).count();
+      const std::lock_guard lock(owner.mutex_);  // the growth thread times its calls too
+      owner.ns[k] += spent;
       ++owner.count[k];
     }
   };
 
+  std::mutex mutex_;  ///< guards ns, count and access_bytes while calls are made
   cudamem::detail::driver_vm_mapping inner_;
   std::array<double, call_kinds> seen_ns_{};
   std::array<std::size_t, call_kinds> seen_count_{};
@@ -861,7 +890,9 @@ void run_simulated(const selection& what) {
   const auto make_vm = [] {
     return std::make_unique<cudamem::vm_pool_resource>(
         std::make_unique<cudamem::detail::simulated_vm_mapping>(
-            cudamem::detail::simulated_vm_options{.capacity = capacity}));
+            cudamem::detail::simulated_vm_options{
+                .capacity = capacity, .create_us = sim_create_us, .access_us = sim_access_us}),
+        bench_vm_options());
   };
   // Streams are only numbers to the simulated layer (which tracks which frees are pending).
   const std::vector<cudaStream_t> fake_streams = {
@@ -921,7 +952,8 @@ int main(int argc, char** argv) {
   const auto usage = [] {
     std::fprintf(stderr,
                  "usage: bench_fragmentation [--simulated] [--detail] [--only NAME] [--vm-runs N]\n"
-                 "         [--pause-ms N] [--variants-only]\n"
+                 "         [--pause-ms N] [--grow-ahead-mib N] [--growth-mib N]\n"
+                 "         [--simulated-driver-us C,A] [--variants-only]\n"
                  "         [--variant all|none|NAME[,NAME...]] [--seeds N[,N...]]\n"
                  "variants:");
     for (const mixed_variant& v : mixed_variants()) {
@@ -940,6 +972,17 @@ int main(int argc, char** argv) {
       what.only = argv[++i];
     } else if (arg == "--pause-ms" && i + 1 < argc) {
       cold_pause_ms = std::max(0, std::atoi(argv[++i]));
+    } else if (arg == "--grow-ahead-mib" && i + 1 < argc) {
+      vm_grow_ahead_bytes = static_cast<std::size_t>(std::max(0, std::atoi(argv[++i]))) * MiB;
+    } else if (arg == "--growth-mib" && i + 1 < argc) {
+      vm_growth_bytes = static_cast<std::size_t>(std::max(0, std::atoi(argv[++i]))) * MiB;
+    } else if (arg == "--simulated-driver-us" && i + 1 < argc) {
+      const std::vector<std::string> us = split_list(argv[++i]);
+      if (us.size() != 2) {
+        return usage();
+      }
+      sim_create_us = static_cast<unsigned>(std::atoi(us[0].c_str()));
+      sim_access_us = static_cast<unsigned>(std::atoi(us[1].c_str()));
     } else if (arg == "--variants-only") {
       what.variants_only = true;
     } else if (arg == "--vm-runs" && i + 1 < argc) {
@@ -1135,7 +1178,7 @@ int main(int argc, char** argv) {
       auto layer = std::make_unique<timed_mapping>(0);
       timed_mapping& timing = *layer;
       const std::size_t free = device_free_now();
-      cudamem::vm_pool_resource vm{std::move(layer)};
+      cudamem::vm_pool_resource vm{std::move(layer), bench_vm_options()};
       allocator_under_test a = from_resource("cudamem vm_pool", vm, streams);
       a.empty_cache = [&] { vm.release(); };
       a.counters = vm_counters(vm);
@@ -1160,7 +1203,7 @@ int main(int argc, char** argv) {
     variant_allocators.push_back({"cudamem vm_pool", [&](const mixed_spec& spec) {
                                     variant_run r;
                                     {
-                                      cudamem::vm_pool_resource vm{0};
+                                      cudamem::vm_pool_resource vm{0, bench_vm_options()};
                                       allocator_under_test a =
                                           from_resource("cudamem vm_pool", vm, streams);
                                       r = cold_then_warm(spec, a, &vm);
@@ -1186,7 +1229,8 @@ int main(int argc, char** argv) {
           static cudamem::device_resource device{0};
           return std::make_unique<cudamem::pool_resource>(device);
         },
-        [] { return std::make_unique<cudamem::vm_pool_resource>(0); }, stream);
+        [] { return std::make_unique<cudamem::vm_pool_resource>(0, bench_vm_options()); },
+        stream);
   }
   print_markdown();
   for (const cudaStream_t s : streams) {

@@ -35,7 +35,13 @@
 // - Address space: when the active reservation lacks room, another is reserved; only past
 //   `reservations_before_sweep` of them are the stale aliases unmapped (after a host wait).
 //
-// Not thread-safe: vm_resource's mutex guards it and every part it works on.
+// - Growth ahead (optional: vm_resource_options::grow_ahead_bytes): the same fresh handles at
+//   the frontier, made by vm_resource's growth thread before a request needs them
+//   (plan_ahead, make_ahead, publish_ahead below).
+//
+// Not thread-safe: vm_resource's mutex guards it and every part it works on. The one
+// exception is make_ahead, which calls only the layer (whose calls may run beside the other
+// threads' record_free and the like) and touches only its batch.
 #pragma once
 
 #include <cudamem/detail/vm/address_space.hpp>
@@ -48,6 +54,8 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -105,6 +113,7 @@ struct vm_call_counts {
   std::size_t maps = 0;
   std::size_t access_calls = 0;
   std::size_t unmaps = 0;
+  std::size_t handles_created_ahead = 0;  ///< of handles_created: by the growth thread
 };
 
 class vm_compactor {
@@ -226,6 +235,147 @@ class vm_compactor {
     return true;
   }
 
+  // --- growth ahead of need (vm_resource_options::grow_ahead_bytes; growth_thread.hpp) -------
+  //
+  // A batch of fresh handles for the frontier, made in three parts so that the driver's calls
+  // run with no lock held: plan_ahead (under vm_resource's mutex: how many, and where: the
+  // frontier, which nobody else maps at until the batch is published, because every other
+  // path that maps or gives address space back waits for the batch first), make_ahead (no
+  // lock: cuMemCreate, cuMemMap, cuMemSetAccess, and nothing else), publish_ahead (under the
+  // mutex: the batch becomes free memory at the frontier, exactly as a growth by make_room
+  // would have left it). A failure in any part leaves nothing made.
+
+  /// A batch of handles made ahead; see above.
+  struct ahead_batch {
+    std::uintptr_t start = 0;        ///< the frontier when it was planned
+    std::size_t handles = 0;         ///< how many to make
+    handle_set::map_type made;       ///< made, mapped and accessible, by address
+    std::size_t mapped = 0;          ///< their bytes
+    bool device_full = false;        ///< a create said "out of memory"
+    vm_call_counts calls;            ///< what the driver was asked, counted at publish
+    std::exception_ptr error;        ///< a driver call failed (nothing is left made)
+  };
+
+  /// The free memory to keep at the frontier: a quarter of what is held, at least a handle,
+  /// at most `most` (grow_ahead_bytes). Geometric, as a vector grows: a small footprint holds
+  /// little more than it uses, and a fill of the device overlaps the driver from early on.
+  [[nodiscard]] std::size_t headroom(std::size_t most) const noexcept {
+    return std::min(most, std::max(config_.handle, handles_.mapped_bytes / 4));
+  }
+
+  /// Whether less than the headroom lies free at the frontier while the device (and the limit)
+  /// has room for another handle: the test after an allocation, before waking the thread.
+  [[nodiscard]] bool wants_ahead(std::size_t most) {
+    return !handles_.device_full && handles_.mapped_bytes + config_.handle <= config_.limit &&
+           free_at_frontier() < headroom(most);
+  }
+
+  /// The next batch: enough handles to bring the free memory at the frontier up to the
+  /// headroom, a quarter of it (or a growth, if more) at a time: few cuMemSetAccess calls,
+  /// and a thread waiting for the batch waits for little. nullopt when nothing is wanted, or
+  /// the device, the limit or the address space has no room (the allocating path deals with
+  /// those).
+  [[nodiscard]] std::optional<ahead_batch> plan_ahead(std::size_t most) {
+    if (!wants_ahead(most)) {
+      return std::nullopt;
+    }
+    const std::size_t handle = config_.handle;
+    const std::size_t room = headroom(most);
+    const std::size_t step = std::max(vm_config::round_up(config_.growth, handle),
+                                      vm_config::round_up(room / 4, handle));
+    std::size_t bytes = std::min(vm_config::round_up(room - free_at_frontier(), handle), step);
+    bytes = std::min(bytes, (config_.limit - handles_.mapped_bytes) / handle * handle);
+    if (bytes == 0 || space_.room() < bytes) {
+      return std::nullopt;
+    }
+    ahead_batch b;
+    b.start = space_.frontier();
+    b.handles = bytes / handle;
+    return b;
+  }
+
+  /// Makes the batch: creates its handles (fewer when the device says no), maps them side by
+  /// side from its start and gives access with one cuMemSetAccess. Calls the layer and nothing
+  /// else: no lock is held. A failure undoes what it made and is kept in `b.error`.
+  void make_ahead(ahead_batch& b) noexcept {
+    const std::size_t handle = config_.handle;
+    std::vector<vm_handle> created;
+    std::size_t mapped = 0;
+    try {
+      created.reserve(b.handles);
+      while (created.size() < b.handles) {
+        const auto h = layer_.create(handle);
+        if (!h) {
+          b.device_full = true;
+          break;
+        }
+        created.push_back(*h);
+        ++b.calls.handles_created;
+      }
+      for (const vm_handle h : created) {
+        layer_.map(b.start + mapped, handle, h);
+        ++b.calls.maps;
+        mapped += handle;
+      }
+      if (mapped != 0) {
+        layer_.set_access(b.start, mapped);
+        ++b.calls.access_calls;
+      }
+      std::size_t offset = 0;
+      for (const vm_handle h : created) {
+        b.made.emplace(b.start + offset, mapped_handle{h, handle});
+        offset += handle;
+      }
+      b.mapped = mapped;
+    } catch (...) {
+      b.error = std::current_exception();
+      b.made.clear();
+      b.mapped = 0;
+      for (std::size_t offset = 0; offset < mapped; offset += handle) {
+        layer_.unmap(b.start + offset, handle);  // never handed out: nothing in flight
+        ++b.calls.unmaps;
+      }
+      for (const vm_handle h : created) {
+        layer_.release(h);
+      }
+    }
+  }
+
+  /// Adds the batch's calls to the counts and its memory to the frontier as one free range;
+  /// rethrows the batch's error, if it had one, once its counts are in. A failure here (no
+  /// host memory for the free range's record) undoes the batch and throws; nothing changed.
+  void publish_ahead(ahead_batch& b) {
+    counts_.handles_created += b.calls.handles_created;
+    counts_.maps += b.calls.maps;
+    counts_.access_calls += b.calls.access_calls;
+    counts_.unmaps += b.calls.unmaps;
+    counts_.handles_created_ahead += b.calls.handles_created;
+    handles_.device_full = handles_.device_full || b.device_full;
+    if (b.error) {
+      std::rethrow_exception(b.error);
+    }
+    if (b.made.empty()) {
+      return;
+    }
+    try {
+      if (space_.frontier() != b.start) {
+        throw std::logic_error("vm_resource: the frontier moved while a batch was made ahead");
+      }
+      free_.insert(b.start, {b.mapped, nullptr, true});
+    } catch (...) {
+      for (const auto& [address, h] : b.made) {
+        layer_.unmap(address, h.bytes);
+        ++counts_.unmaps;
+        layer_.release(h.handle);
+      }
+      b.made.clear();
+      throw;
+    }
+    handles_.adopt(b.made);  // moves the nodes: cannot fail
+    handles_.mapped_bytes += b.mapped;
+    space_.advance(b.mapped);
+  }
+
   /// release(): waits for every recorded free, unmaps every stale alias, and gives every
   /// handle lying wholly in free memory back to the driver; returns the bytes given back.
   std::size_t release_idle() {
@@ -271,6 +421,12 @@ class vm_compactor {
     std::uintptr_t end;
     std::size_t bytes;
   };
+
+  /// Bytes of the free range that ends at the frontier (0 if none does).
+  [[nodiscard]] std::size_t free_at_frontier() {
+    const auto tail = free_.ending_at(space_.frontier());
+    return tail == free_.end() ? 0 : tail->second.bytes;
+  }
 
   [[nodiscard]] std::size_t free_bytes_held() const {
     std::size_t total = 0;

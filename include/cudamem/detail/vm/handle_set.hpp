@@ -65,6 +65,8 @@ class handle_set {
 
   void add(std::uintptr_t address, mapped_handle h) { by_address_.emplace(address, h); }
   void erase(std::uintptr_t address) noexcept { by_address_.erase(address); }
+  /// Moves every entry of `made` in (their nodes: no allocation); addresses must be new.
+  void adopt(map_type& made) noexcept { by_address_.merge(made); }
 
   /// Where a block of `size` bytes of whole handles goes inside the free range [begin, end),
   /// or nullopt: from the first handle starting in it to the end of the last handle it needs.

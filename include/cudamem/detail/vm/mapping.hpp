@@ -35,15 +35,23 @@
 //   recorded on `freed_on` (no host wait); `wait_for_free(freed_on)` blocks the host until it
 //   has finished; `wait_for_all_frees()` does so for every stream seen. Events belong to the
 //   layer, so a stream may be destroyed after freeing on it.
+// - Threads: vm_resource calls the layer under its mutex, except its growth thread
+//   (vm_resource_options::grow_ahead_bytes), which calls create, map, set_access, and on a
+//   failure unmap and release, with no lock held. So those may run beside record_free,
+//   order_after_free and wait_for_free on another thread (never beside another create or map:
+//   the other threads wait for the growth thread's batch before they map). The driver is
+//   thread-safe; the simulated layer takes a lock of its own in every call.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -104,6 +112,12 @@ struct simulated_vm_options {
   std::size_t capacity = std::size_t{80} << 30;    ///< "physical" bytes the device has
   std::size_t granularity = std::size_t{2} << 20;  ///< must be a power of two
   simulated_vm_final_state* final_state = nullptr;  ///< written at destruction when set
+  /// The driver's time, for benchmarks of what overlaps it (0: none, as in tests): each
+  /// create keeps its thread busy `create_us`, each set_access `access_us` per mapping it
+  /// covers (the driver's costs are per handle: bench_vmm_driver). The layer's lock is not
+  /// held meanwhile.
+  unsigned create_us = 0;
+  unsigned access_us = 0;
 };
 
 /// Host bookkeeping only: the device is a byte budget, addresses are numbers. Every call is
@@ -132,24 +146,35 @@ class simulated_vm_mapping final : public vm_mapping_layer {
                 set_access = 0, record_free = 0, order_after_free = 0, wait_for_free = 0,
                 wait_for_all_frees = 0;
   };
-  call_counts calls;
+  call_counts calls;  ///< read them when no growth thread is calling (wait_for_growth)
   std::size_t violations = 0;  ///< illegal noexcept calls (unmap of no mapping, double release)
   std::size_t unmaps_in_flight = 0;  ///< unmaps of a handle freed on a stream not yet waited for
 
   /// Physical bytes created and not yet given back (released and unmapped everywhere).
-  [[nodiscard]] std::size_t physical_in_use() const noexcept { return physical_in_use_; }
-  [[nodiscard]] std::size_t reserved_bytes() const noexcept {
+  [[nodiscard]] std::size_t physical_in_use() const {
+    const std::lock_guard lock(mutex_);
+    return physical_in_use_;
+  }
+  [[nodiscard]] std::size_t reserved_bytes() const {
+    const std::lock_guard lock(mutex_);
     std::size_t total = 0;
     for (const auto& [base, bytes] : reservations_) {
       total += bytes;
     }
     return total;
   }
-  [[nodiscard]] std::size_t mapping_count() const noexcept { return mappings_.size(); }
-  [[nodiscard]] std::size_t live_handle_count() const noexcept { return handles_.size(); }
+  [[nodiscard]] std::size_t mapping_count() const {
+    const std::lock_guard lock(mutex_);
+    return mappings_.size();
+  }
+  [[nodiscard]] std::size_t live_handle_count() const {
+    const std::lock_guard lock(mutex_);
+    return handles_.size();
+  }
 
   /// True when every byte of [va, va + bytes) is mapped and has had access set.
   [[nodiscard]] bool is_accessible(std::uintptr_t va, std::size_t bytes) const {
+    const std::lock_guard lock(mutex_);
     std::uintptr_t at = va;
     const std::uintptr_t end = va + bytes;
     while (at < end) {
@@ -169,22 +194,21 @@ class simulated_vm_mapping final : public vm_mapping_layer {
 
   /// The handle mapped at `va` (tests use it to see that memory moved, not copied).
   [[nodiscard]] std::optional<vm_handle> handle_at(std::uintptr_t va) const {
-    auto it = mappings_.upper_bound(va);
-    if (it == mappings_.begin()) {
-      return std::nullopt;
-    }
-    --it;
-    if (va >= it->first + it->second.bytes) {
-      return std::nullopt;
-    }
-    return it->second.handle;
+    const std::lock_guard lock(mutex_);
+    return handle_at_unlocked(va);
   }
 
   /// Makes the next `count` calls to create() answer "out of memory" (tests of the fallback).
-  void fail_next_creates(std::size_t count) noexcept { failing_creates_ = count; }
+  void fail_next_creates(std::size_t count) {
+    const std::lock_guard lock(mutex_);
+    failing_creates_ = count;
+  }
   /// Makes the map() call after the next `skip` ones throw std::runtime_error, as a driver
   /// error would (tests that a failure half-way through a batch leaks nothing).
-  void fail_map_after(std::size_t skip) noexcept { maps_before_failure_ = skip + 1; }
+  void fail_map_after(std::size_t skip) {
+    const std::lock_guard lock(mutex_);
+    maps_before_failure_ = skip + 1;
+  }
 
   // --- the layer ----------------------------------------------------------------------------
   [[nodiscard]] int device() const noexcept override { return -1; }
@@ -195,6 +219,7 @@ class simulated_vm_mapping final : public vm_mapping_layer {
   }
 
   [[nodiscard]] std::uintptr_t reserve(std::size_t bytes) override {
+    const std::lock_guard lock(mutex_);
     ++calls.reserve;
     require(bytes > 0 && bytes % options_.granularity == 0, "reserve: size not granular");
     const std::uintptr_t base = next_address_;
@@ -204,6 +229,7 @@ class simulated_vm_mapping final : public vm_mapping_layer {
   }
 
   void free_reservation(std::uintptr_t base, std::size_t bytes) noexcept override {
+    const std::lock_guard lock(mutex_);
     ++calls.free_reservation;
     const auto it = reservations_.find(base);
     if (it == reservations_.end() || it->second != bytes) {
@@ -219,6 +245,8 @@ class simulated_vm_mapping final : public vm_mapping_layer {
   }
 
   [[nodiscard]] std::optional<vm_handle> create(std::size_t bytes) override {
+    pretend_to_work(options_.create_us);
+    const std::lock_guard lock(mutex_);
     ++calls.create;
     require(bytes > 0 && bytes % options_.granularity == 0, "create: size not granular");
     if (failing_creates_ > 0) {
@@ -235,6 +263,7 @@ class simulated_vm_mapping final : public vm_mapping_layer {
   }
 
   void release(vm_handle handle) noexcept override {
+    const std::lock_guard lock(mutex_);
     ++calls.release;
     const auto it = handles_.find(handle);
     if (it == handles_.end() || it->second.released) {
@@ -246,6 +275,7 @@ class simulated_vm_mapping final : public vm_mapping_layer {
   }
 
   void map(std::uintptr_t va, std::size_t bytes, vm_handle handle) override {
+    const std::lock_guard lock(mutex_);
     ++calls.map;
     if (maps_before_failure_ > 0 && --maps_before_failure_ == 0) {
       throw std::runtime_error("simulated_vm_mapping: injected map failure");
@@ -266,6 +296,7 @@ class simulated_vm_mapping final : public vm_mapping_layer {
   }
 
   void unmap(std::uintptr_t va, std::size_t bytes) noexcept override {
+    const std::lock_guard lock(mutex_);
     ++calls.unmap;
     const auto it = mappings_.find(va);
     if (it == mappings_.end() || it->second.bytes != bytes) {
@@ -285,20 +316,27 @@ class simulated_vm_mapping final : public vm_mapping_layer {
   }
 
   void set_access(std::uintptr_t va, std::size_t bytes) override {
-    ++calls.set_access;
-    // Like the driver: the whole range must be mapped (possibly by several mappings).
-    std::uintptr_t at = va;
-    const std::uintptr_t end = va + bytes;
-    while (at < end) {
-      const auto it = mappings_.find(at);
-      require(it != mappings_.end(), "set_access: range not wholly mapped");
-      it->second.accessible = true;
-      at += it->second.bytes;
+    std::size_t covered = 0;
+    {
+      const std::lock_guard lock(mutex_);
+      ++calls.set_access;
+      // Like the driver: the whole range must be mapped (possibly by several mappings).
+      std::uintptr_t at = va;
+      const std::uintptr_t end = va + bytes;
+      while (at < end) {
+        const auto it = mappings_.find(at);
+        require(it != mappings_.end(), "set_access: range not wholly mapped");
+        it->second.accessible = true;
+        at += it->second.bytes;
+        ++covered;
+      }
+      require(at == end, "set_access: range ends inside a mapping");
     }
-    require(at == end, "set_access: range ends inside a mapping");
+    pretend_to_work(options_.access_us * covered);
   }
 
   void record_free(cudaStream_t stream, std::uintptr_t va, std::size_t bytes) override {
+    const std::lock_guard lock(mutex_);
     ++calls.record_free;
     // Every handle mapped under the range may still be touched by work on `stream`.
     auto it = mappings_.upper_bound(va);
@@ -315,15 +353,18 @@ class simulated_vm_mapping final : public vm_mapping_layer {
     }
   }
   void order_after_free(cudaStream_t /*user*/, cudaStream_t /*freed_on*/) override {
+    const std::lock_guard lock(mutex_);
     ++calls.order_after_free;  // GPU-side ordering: the host still may not unmap
   }
   void wait_for_free(cudaStream_t freed_on) override {
+    const std::lock_guard lock(mutex_);
     ++calls.wait_for_free;
     for (auto& [h, state] : handles_) {
       std::erase(state.in_flight_on, freed_on);
     }
   }
   void wait_for_all_frees() noexcept override {
+    const std::lock_guard lock(mutex_);
     ++calls.wait_for_all_frees;
     for (auto& [h, state] : handles_) {
       state.in_flight_on.clear();
@@ -332,7 +373,8 @@ class simulated_vm_mapping final : public vm_mapping_layer {
 
   /// Whether work on some stream may still touch the handle mapped at `va` (tests).
   [[nodiscard]] bool in_flight(std::uintptr_t va) const {
-    const auto h = handle_at(va);
+    const std::lock_guard lock(mutex_);
+    const auto h = handle_at_unlocked(va);
     return h && !handles_.at(*h).in_flight_on.empty();
   }
 
@@ -348,6 +390,29 @@ class simulated_vm_mapping final : public vm_mapping_layer {
     vm_handle handle;
     bool accessible;
   };
+
+  /// Busy for `us`: the driver's time is CPU time too (in the kernel and the driver), so a
+  /// sleep would make it look cheaper to overlap than it is.
+  static void pretend_to_work(std::size_t us) {
+    if (us == 0) {
+      return;
+    }
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
+    while (std::chrono::steady_clock::now() < until) {
+    }
+  }
+
+  [[nodiscard]] std::optional<vm_handle> handle_at_unlocked(std::uintptr_t va) const {
+    auto it = mappings_.upper_bound(va);
+    if (it == mappings_.begin()) {
+      return std::nullopt;
+    }
+    --it;
+    if (va >= it->first + it->second.bytes) {
+      return std::nullopt;
+    }
+    return it->second.handle;
+  }
 
   static void require(bool ok, const char* what) {
     if (!ok) {
@@ -372,6 +437,7 @@ class simulated_vm_mapping final : public vm_mapping_layer {
   }
 
   simulated_vm_options options_;
+  mutable std::mutex mutex_;  ///< guards everything: a growth thread calls beside the others
   std::uintptr_t next_address_ = std::uintptr_t{1} << 40;
   vm_handle next_handle_ = 1;
   std::size_t physical_in_use_ = 0;

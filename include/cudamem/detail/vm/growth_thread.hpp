@@ -1,0 +1,172 @@
+// cudamem/detail/vm/growth_thread.hpp — the thread on which vm_resource grows ahead of need
+// (vm_resource_options::grow_ahead_bytes): it runs one step at a time, when woken, beside the
+// threads that allocate.
+//
+//   std::mutex mutex;                                  // the owner's: guards its state
+//   cudamem::detail::growth_thread ahead{mutex, step, on_start};
+//   std::unique_lock lock(mutex);
+//   ahead.wake(lock);          // after an allocation left too little mapped ahead
+//   ahead.wait_next_step(lock);  // a thread that needs memory waits for the next batch
+//   ahead.stop();              // without the lock: the destructor's first act
+//
+// Why a thread: a cold vm_resource fills the device with physical memory, and each 64 MiB
+// handle costs the driver ~60 µs (cuMemCreate ~22 µs, its share of cuMemSetAccess ~37 µs on
+// an H100; bench_vmm_driver). Over bench_fragmentation's mixed trace that is ~75 ms, paid on
+// top of the pool's own ~50 ms of host work, because the allocating thread waits in the
+// driver. Made on another thread, the driver's time and the pool's host work overlap. Only
+// one thread at a time makes driver calls for a growth (the allocating thread waits for the
+// step in flight rather than grow beside it): two threads mapping at once gain nothing, as
+// the driver serialises them (measured: a create-ahead thread, 2dab59c).
+//
+// Contract
+// - `step(lock)` is called on the thread with the owner's mutex held through `lock`; it may
+//   unlock it and lock it again (it does its driver calls unlocked), and returns true when it
+//   wants to run again at once. An exception from it is reported (report_problem) and stops
+//   the thread for good: the owner then grows on its own threads, as without it.
+// - `on_start()` runs once on the thread before any step, without the lock (the driver's
+//   layer makes its device current there). An exception stops the thread as above.
+// - With the owner's mutex held: `wake` asks for a step (and starts the thread at the first
+//   call; if it cannot start, nothing happens and it is never tried again); `stepping()` says
+//   whether a step is running now, `busy()` whether one is running or asked for;
+//   `wait_step` waits until none is running; `wait_next_step` until the next one ends or
+//   none is running nor asked for; `wait_idle` until none is running nor asked for; `cancel`
+//   drops a step asked for and not yet begun.
+// - `stop()`, without the lock: the step in flight finishes, no other begins, the thread is
+//   joined. Idempotent; the destructor calls it.
+#pragma once
+
+#include <cudamem/error.hpp>
+
+#include <condition_variable>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+
+namespace cudamem::detail {
+
+class growth_thread {
+ public:
+  using step_function = std::function<bool(std::unique_lock<std::mutex>&)>;
+
+  growth_thread(std::mutex& owner, step_function step, std::function<void()> on_start)
+      : owner_(owner), step_(std::move(step)), on_start_(std::move(on_start)) {}
+
+  growth_thread(const growth_thread&) = delete;
+  growth_thread& operator=(const growth_thread&) = delete;
+  ~growth_thread() { stop(); }
+
+  void wake(std::unique_lock<std::mutex>& /*held*/) {
+    if (broken_ || stopping_) {
+      return;
+    }
+    wanted_ = true;
+    if (!thread_.joinable()) {
+      try {
+        thread_ = std::thread([this] { run(); });
+      } catch (const std::system_error&) {  // no thread to be had: grow on the callers' threads
+        broken_ = true;
+        wanted_ = false;
+        return;
+      }
+    }
+    work_.notify_one();
+  }
+
+  [[nodiscard]] bool stepping() const noexcept { return stepping_; }
+  /// A step is running or asked for: memory is on its way.
+  [[nodiscard]] bool busy() const noexcept { return stepping_ || wanted_; }
+
+  /// Waits until no step is running.
+  void wait_step(std::unique_lock<std::mutex>& held) {
+    done_.wait(held, [this] { return !stepping_; });
+  }
+
+  /// Waits until the next step ends, or the thread has nothing running nor asked for.
+  void wait_next_step(std::unique_lock<std::mutex>& held) {
+    const std::size_t seen = steps_;
+    done_.wait(held, [&] { return steps_ != seen || !busy(); });
+  }
+
+  void wait_idle(std::unique_lock<std::mutex>& held) {
+    done_.wait(held, [this] { return !stepping_ && !wanted_; });
+  }
+
+  void cancel(std::unique_lock<std::mutex>& /*held*/) noexcept { wanted_ = false; }
+
+  void stop() noexcept {
+    {
+      const std::lock_guard lock(owner_);
+      stopping_ = true;
+      wanted_ = false;
+    }
+    work_.notify_all();
+    if (thread_.joinable()) {
+      thread_.join();
+    }
+  }
+
+ private:
+  void run() noexcept {
+    try {
+      on_start_();
+    } catch (const std::exception& e) {
+      give_up(std::string("vm_resource: the growth thread could not start: ") + e.what());
+      return;
+    }
+    std::unique_lock lock(owner_);
+    while (true) {
+      work_.wait(lock, [this] { return stopping_ || wanted_; });
+      if (stopping_) {
+        break;
+      }
+      wanted_ = false;
+      stepping_ = true;
+      bool again = false;
+      try {
+        again = step_(lock);
+      } catch (const std::exception& e) {
+        broken_ = true;
+        report_problem(std::string("vm_resource: growth ahead stopped: ") + e.what());
+      }
+      if (!lock.owns_lock()) {
+        lock.lock();  // a step that threw half-way may have left it unlocked
+      }
+      stepping_ = false;
+      ++steps_;
+      wanted_ = wanted_ || (again && !broken_ && !stopping_);
+      done_.notify_all();
+      if (broken_) {
+        wanted_ = false;
+        break;
+      }
+    }
+    done_.notify_all();
+  }
+
+  void give_up(const std::string& why) noexcept {
+    {
+      const std::lock_guard lock(owner_);
+      broken_ = true;
+      wanted_ = false;
+    }
+    done_.notify_all();
+    report_problem(why);
+  }
+
+  std::mutex& owner_;
+  step_function step_;
+  std::function<void()> on_start_;
+  std::condition_variable work_;  ///< wakes the thread: a step wanted, or stop
+  std::condition_variable done_;  ///< wakes waiters: a step finished
+  bool wanted_ = false;           ///< guarded by owner_, as the three below
+  bool stepping_ = false;
+  bool stopping_ = false;
+  bool broken_ = false;           ///< a step or the start failed: never again
+  std::size_t steps_ = 0;         ///< steps finished
+  std::thread thread_;
+};
+
+}  // namespace cudamem::detail
