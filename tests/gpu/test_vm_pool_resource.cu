@@ -2,7 +2,7 @@
 // still reading a freed block whose physical memory is recycled, through the pool and through
 // the upstream alone), everything given back at destruction, real swiss cheese, the mixed
 // trace's variants run twice on one pool (the second run keeps as much live as the first),
-// peers, bad input.
+// peers, bad input; memory made ahead by the growth thread.
 #include <cudamem/stream.hpp>
 #include <cudamem/vm_pool_resource.hpp>
 #include <cudamem/vm_resource.hpp>
@@ -238,4 +238,57 @@ TEST_CASE("vm_pool (GPU): peers get access; bad devices and peers are refused") 
   CHECK(host == 4 * MiB);
   check(cudaFree(count));
   pool.deallocate(p, 4 * MiB, 256, stream_view{});
+}
+
+TEST_CASE("vm_pool (GPU): memory its growth thread made ahead is memory kernels can use") {
+  // The default over a real device: a quarter of what it holds is made ahead, up to 4 GiB.
+  vm_pool_resource pool{0};
+  stream s;
+  constexpr int count_blocks = 64;  // 4 GiB in blocks of a handle: straight to the upstream
+  std::vector<void*> blocks;
+  for (int i = 0; i < count_blocks; ++i) {
+    blocks.push_back(pool.allocate(64 * MiB, 256, s));
+  }
+  pool.upstream_vm().wait_for_growth();
+  const vm_pool_stats st = pool.vm_stats();
+  CAPTURE(st.mapped_bytes, st.used_bytes, st.handles_created, st.handles_created_ahead);
+  CHECK(st.handles_created_ahead > 0);
+  CHECK(st.free_bytes >= st.used_bytes / 4);  // the headroom, a quarter of what it holds
+  CHECK(st.free_bytes <= default_grow_ahead_bytes + 1024 * MiB);
+  // One more block comes from the memory made ahead: no growth of the caller's own (the
+  // thread may make more meanwhile).
+  blocks.push_back(pool.allocate(64 * MiB, 256, s));
+  const vm_pool_stats after = pool.vm_stats();
+  CHECK(after.handles_created - after.handles_created_ahead ==
+        st.handles_created - st.handles_created_ahead);
+  unsigned long long* count = nullptr;
+  check(cudaMallocAsync(&count, sizeof *count, s.get()));
+  check(cudaMemsetAsync(count, 0, sizeof *count, s.get()));
+  for (void* p : blocks) {
+    check(cudaMemsetAsync(p, 7, 64 * MiB, s.get()));
+    slow_count<<<256, 256, 0, s.get()>>>(static_cast<unsigned char*>(p), 64 * MiB, 7, 0, count);
+  }
+  check(cudaGetLastError());
+  unsigned long long host = 0;
+  check(cudaMemcpyAsync(&host, count, sizeof host, cudaMemcpyDeviceToHost, s.get()));
+  check(cudaFreeAsync(count, s.get()));
+  s.synchronize();
+  CHECK(host == blocks.size() * 64 * MiB);
+  for (void* p : blocks) {
+    pool.deallocate(p, 64 * MiB, 256, s);
+  }
+  s.synchronize();
+  CHECK(pool.release() >= st.mapped_bytes);  // what it made ahead goes back too
+  CHECK(pool.vm_stats().mapped_bytes == 0);
+}
+
+TEST_CASE("vm_pool (GPU): grow_ahead_bytes 0 makes nothing ahead") {
+  vm_pool_options o;
+  o.grow_ahead_bytes = 0;
+  vm_pool_resource pool{0, o};
+  void* p = pool.allocate(64 * MiB, 256, stream_view{});
+  pool.upstream_vm().wait_for_growth();
+  CHECK(pool.vm_stats().handles_created_ahead == 0);
+  CHECK(pool.vm_stats().mapped_bytes == 256 * MiB);  // one growth of growth_bytes
+  pool.deallocate(p, 64 * MiB, 256, stream_view{});
 }
