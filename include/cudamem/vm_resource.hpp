@@ -30,14 +30,19 @@
 // - detail/vm/placement.hpp      which free range a block goes to (best fit), and where in it
 // - detail/vm/compactor.hpp      when nothing fits: create handles while the device has room;
 //                                then recycle idle handles to the frontier (only what the
-//                                request lacks, smallest free runs first); giving memory back
+//                                request lacks, smallest free runs first); giving memory back;
+//                                batches of handles made ahead of need
+// - detail/vm/growth_thread.hpp  the thread that makes those batches while the callers work
+//                                (grow_ahead_bytes: a quarter of what is held, up to 4 GiB)
 // - detail/vm/mapping.hpp, driver_mapping.hpp  the device behind one interface (the driver's
 //                                cuMem* calls, or a simulated device for GPU-free tests)
 // What a move costs, measured (bench_vmm_driver): cuMemMap ~1 µs, and cuMemSetAccess ~23-40 µs
 // *per handle* in the range whatever its size: giving access is paid per handle, not per byte.
 // Hence 64 MiB handles, growth before recycling, moving only what is missing, and stale
 // aliases instead of cuMemUnmap (17-31 µs, unsafe while a kernel may read) on the allocation
-// path.
+// path. And a growing resource makes its next handles on a thread of its own, ahead of need
+// (cuMemCreate plus a handle's cuMemSetAccess: ~60 µs), so that a cold fill's driver time
+// runs beside the callers' work rather than in it.
 //
 // Contract (memory_resource.hpp's, plus)
 // - Construction: `vm_resource(device, options)` throws `no_device_error` with no device,
@@ -78,6 +83,17 @@
 // - Host memory: the records of blocks and free ranges reuse the nodes of freed ones
 //   (detail/spare_nodes.hpp), so once warm, taking and freeing blocks allocates none.
 // - Thread-safe: one mutex (a pool above calls it for chunks only).
+// - Growth ahead (`grow_ahead_bytes`; by default 4 GiB over a real device, 0 over a layer of
+//   device -1, the simulated one): after an allocation leaves less than a quarter of what it
+//   holds (up to grow_ahead_bytes) free at the frontier, a thread of its own, started then,
+//   creates and maps the next handles with no lock held and adds them as free memory, where a
+//   growth would have put them. A request that finds no fit while the thread is busy waits for
+//   its batches (then grows itself if still short). The thread stops at "device full" and at
+//   `physical_limit`; a driver error there is reported (report_problem) and ends it for good,
+//   the resource then growing on the callers' threads. `release()` gives back what was made
+//   ahead and makes nothing more until an allocation asks; `wait_for_growth()` waits for the
+//   thread to be idle; the destructor joins it first. vm_stats().handles_created_ahead counts
+//   its handles.
 #pragma once
 
 #include <cudamem/detail/spare_nodes.hpp>
