@@ -407,9 +407,7 @@ class vm_resource final : public memory_resource {
         return grew_ahead(lock, p);
       }
     }
-    if (ahead_) {
-      ahead_->wait_step(lock);  // busy() was false; no step can have begun since: a no-op
-    }
+    // The thread is idle now, and cannot begin a step while this lock is held.
     // Growth first; then neighbours freed on other streams, merged by a host wait; then a
     // compaction (detail/vm/compactor.hpp).
     std::string cause;

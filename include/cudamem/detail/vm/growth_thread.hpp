@@ -21,8 +21,9 @@
 // Contract
 // - `step(lock)` is called on the thread with the owner's mutex held through `lock`; it may
 //   unlock it and lock it again (it does its driver calls unlocked), and returns true when it
-//   wants to run again at once. An exception from it is reported (report_problem) and stops
-//   the thread for good: the owner then grows on its own threads, as without it.
+//   wants to run again at once (unless `cancel` was called meanwhile). An exception from it
+//   stops the thread for good, and is reported (report_problem, without the owner's lock): the
+//   owner then grows on its own threads, as without it.
 // - `on_start()` runs once on the thread before any step, without the lock (the driver's
 //   layer makes its device current there). An exception stops the thread as above.
 // - With the owner's mutex held: `wake` asks for a step (and starts the thread at the first
@@ -94,7 +95,10 @@ class growth_thread {
     done_.wait(held, [this] { return !stepping_ && !wanted_; });
   }
 
-  void cancel(std::unique_lock<std::mutex>& /*held*/) noexcept { wanted_ = false; }
+  void cancel(std::unique_lock<std::mutex>& /*held*/) noexcept {
+    wanted_ = false;
+    ++cancels_;  // and the step in flight does not ask for another when it ends
+  }
 
   void stop() noexcept {
     {
@@ -113,7 +117,10 @@ class growth_thread {
     try {
       on_start_();
     } catch (const std::exception& e) {
-      give_up(std::string("vm_resource: the growth thread could not start: ") + e.what());
+      give_up("the growth thread could not start: ", e.what());
+      return;
+    } catch (...) {
+      give_up("the growth thread could not start: ", "an exception that is not a std::exception");
       return;
     }
     std::unique_lock lock(owner_);
@@ -124,36 +131,59 @@ class growth_thread {
       }
       wanted_ = false;
       stepping_ = true;
+      const std::size_t cancels_before = cancels_;
+      const char* failure = nullptr;  // what() lives as long as the exception: report inside
       bool again = false;
       try {
         again = step_(lock);
       } catch (const std::exception& e) {
-        broken_ = true;
-        report_problem(std::string("vm_resource: growth ahead stopped: ") + e.what());
+        failure = e.what();
+        report_unlocked(lock, "growth ahead stopped: ", failure);
+      } catch (...) {
+        failure = "an exception that is not a std::exception";
+        report_unlocked(lock, "growth ahead stopped: ", failure);
       }
       if (!lock.owns_lock()) {
         lock.lock();  // a step that threw half-way may have left it unlocked
       }
+      broken_ = failure != nullptr;
       stepping_ = false;
       ++steps_;
-      wanted_ = wanted_ || (again && !broken_ && !stopping_);
+      wanted_ = !broken_ && (wanted_ || (again && !stopping_ && cancels_ == cancels_before));
       done_.notify_all();
       if (broken_) {
-        wanted_ = false;
         break;
       }
     }
+    lock.unlock();
     done_.notify_all();
   }
 
-  void give_up(const std::string& why) noexcept {
+  /// Reports a failure without the owner's lock (the handler may call the owner), while the
+  /// thread still counts as stepping: whoever waits for it to be idle sees the report made.
+  static void report_unlocked(std::unique_lock<std::mutex>& lock, const char* what,
+                              const char* why) noexcept {
+    if (lock.owns_lock()) {
+      lock.unlock();
+    }
+    report(what, why);
+  }
+
+  static void report(const char* what, const char* why) noexcept {
+    try {
+      report_problem(std::string("vm_resource: ") + what + why);
+    } catch (...) {  // no memory for the message: the failure still stops the thread
+    }
+  }
+
+  void give_up(const char* what, const char* why) noexcept {
+    report(what, why);
     {
       const std::lock_guard lock(owner_);
       broken_ = true;
       wanted_ = false;
     }
     done_.notify_all();
-    report_problem(why);
   }
 
   std::mutex& owner_;
@@ -166,6 +196,7 @@ class growth_thread {
   bool stopping_ = false;
   bool broken_ = false;           ///< a step or the start failed: never again
   std::size_t steps_ = 0;         ///< steps finished
+  std::size_t cancels_ = 0;       ///< cancel() calls
   std::thread thread_;
 };
 
