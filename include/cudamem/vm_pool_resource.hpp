@@ -40,7 +40,7 @@
 // - While it grows, the upstream makes its next handles ahead of need on a thread of its own
 //   (vm_resource_options::grow_ahead_bytes: a quarter of what it holds, up to 4 GiB), so a cold
 //   fill's driver calls overlap the pool's work: bench_fragmentation's mixed trace on an H100,
-//   cold, 0.85-0.89 µs per operation against 1.05-1.07 without it. `grow_ahead_bytes = 0`
+//   cold, 0.85-0.91 µs per operation against 1.05-1.15 without it. `grow_ahead_bytes = 0`
 //   turns it off (no thread, nothing held beyond what growth_bytes rounds up to).
 // - Every chunk and large block is whole handles, so wholly free memory is wholly recyclable;
 //   only chunks smaller than a handle (the pool's last resort) share one (`stranded_bytes`

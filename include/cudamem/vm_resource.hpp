@@ -163,7 +163,7 @@ struct vm_resource_options {
   /// less than that free at the end of what is mapped, a thread of the resource's own (started
   /// then) creates and maps the next handles, so that the driver's ~60 µs per handle of a cold
   /// fill runs beside the callers' work instead of in it (bench_fragmentation's mixed trace,
-  /// cold, on an H100: ~0.3-0.5 µs per operation less). So a growing resource holds up to a
+  /// cold, on an H100: ~0.2-0.4 µs per operation less). So a growing resource holds up to a
   /// quarter more than it would (never past `physical_limit`), until the device is full or
   /// release() gives it back. nullopt: `default_grow_ahead_bytes` over a real device, 0 over
   /// the simulated one (its tests count driver calls). See detail/vm/growth_thread.hpp.
