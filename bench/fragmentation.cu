@@ -15,6 +15,7 @@
 //   bench_fragmentation --only vm_pool --variant bench,wide --seeds 42,1,2   # just those rows
 //   bench_fragmentation --only vm_pool --pause-ms 2000   # cold runs start 2 s after a release
 //   bench_fragmentation --only vm_pool --grow-ahead-mib 1024   # vm_pools that grow ahead
+//   bench_fragmentation --only vm_pool --grow-ahead-floor-mib 0  # ... down to the last handle
 //   bench_fragmentation --only vm_pool --variants-only --variant bench --seeds 42
 //                     # one fresh vm_pool, cold then warm, as the process's first allocator:
 //                     # a cold start on a device at rest (the main table's cold mixed run
@@ -177,6 +178,8 @@ int cold_pause_ms = 0;
 
 /// `--grow-ahead-mib N`: the vm_pools' grow_ahead_bytes (nullopt: the default).
 std::optional<std::size_t> vm_grow_ahead_bytes;
+/// `--grow-ahead-floor-mib N`: the vm_pools' grow_ahead_floor_bytes (nullopt: the default).
+std::optional<std::size_t> vm_grow_ahead_floor_bytes;
 /// `--growth-mib N`: the vm_pools' growth_bytes (0: the default).
 std::size_t vm_growth_bytes = 0;
 /// `--simulated-driver-us C,A`: with --simulated, each create takes C us and each set_access A
@@ -193,6 +196,7 @@ cudamem::vm_pool_options bench_vm_options() {
   if (vm_growth_bytes != 0) {
     o.growth_bytes = vm_growth_bytes;
   }
+  o.grow_ahead_floor_bytes = vm_grow_ahead_floor_bytes;
   return o;
 }
 
@@ -413,6 +417,10 @@ class timed_mapping final : public cudamem::detail::vm_mapping_layer {
   int device() const noexcept override { return inner_.device(); }
   std::size_t granularity() const noexcept override { return inner_.granularity(); }
   std::size_t device_total() const noexcept override { return inner_.device_total(); }
+  std::optional<std::size_t> device_free() const noexcept override {
+    return inner_.device_free();
+  }
+  cudamem::detail::memory_domain domain() const noexcept override { return inner_.domain(); }
   std::uintptr_t reserve(std::size_t bytes) override {
     const stopwatch w{*this, reserve_call};
     return inner_.reserve(bytes);
@@ -952,7 +960,8 @@ int main(int argc, char** argv) {
   const auto usage = [] {
     std::fprintf(stderr,
                  "usage: bench_fragmentation [--simulated] [--detail] [--only NAME] [--vm-runs N]\n"
-                 "         [--pause-ms N] [--grow-ahead-mib N] [--growth-mib N]\n"
+                 "         [--pause-ms N] [--grow-ahead-mib N] [--grow-ahead-floor-mib N]\n"
+                 "         [--growth-mib N]\n"
                  "         [--simulated-driver-us C,A] [--variants-only]\n"
                  "         [--variant all|none|NAME[,NAME...]] [--seeds N[,N...]]\n"
                  "variants:");
@@ -974,6 +983,9 @@ int main(int argc, char** argv) {
       cold_pause_ms = std::max(0, std::atoi(argv[++i]));
     } else if (arg == "--grow-ahead-mib" && i + 1 < argc) {
       vm_grow_ahead_bytes = static_cast<std::size_t>(std::max(0, std::atoi(argv[++i]))) * MiB;
+    } else if (arg == "--grow-ahead-floor-mib" && i + 1 < argc) {
+      vm_grow_ahead_floor_bytes =
+          static_cast<std::size_t>(std::max(0, std::atoi(argv[++i]))) * MiB;
     } else if (arg == "--growth-mib" && i + 1 < argc) {
       vm_growth_bytes = static_cast<std::size_t>(std::max(0, std::atoi(argv[++i]))) * MiB;
     } else if (arg == "--simulated-driver-us" && i + 1 < argc) {

@@ -32,7 +32,9 @@
 //   uses a block whose free is already finished). The synchronous forms use the legacy
 //   default stream of the resource's device and wait for it on allocation.
 // - Alignment up to 256 bytes; more throws `std::invalid_argument`. Out of memory throws
-//   `out_of_memory` naming cudaMallocFromPoolAsync.
+//   `out_of_memory` naming cudaMallocFromPoolAsync, once the process's vm_resources have
+//   given back what they held ahead of need on the device and the call was tried again
+//   (detail/held_ahead.hpp).
 // - `stats()`: `used_bytes` / `peak_used_bytes` count what this object handed out (exact
 //   request sizes); `reserved_bytes` is the pool's reserved memory as the driver reports it
 //   (for the default pool that includes every other user's share). `pool_usage()` gives the
@@ -156,8 +158,12 @@ class async_resource final : public memory_resource {
     detail::check_cuda_alignment("async_resource", alignment);
     const device_guard on{device()};
     void* p = nullptr;
-    detail::throw_if_allocation_failed(cudaMallocFromPoolAsync(&p, bytes, pool_, stream.get()),
-                                       *this, bytes, alignment, "cudaMallocFromPoolAsync");
+    std::size_t given_back = 0;
+    const cudaError_t code = detail::allocate_giving_way(device(), given_back, [&] {
+      return cudaMallocFromPoolAsync(&p, bytes, pool_, stream.get());
+    });
+    detail::throw_if_allocation_failed(code, *this, bytes, alignment, "cudaMallocFromPoolAsync",
+                                       given_back);
     usage_.add(bytes);
     return p;
   }

@@ -14,9 +14,10 @@
 // - Every call switches to the resource's device for the duration of the call and back, so
 //   the current device does not matter.
 // - Alignment up to 256 bytes (cudaMalloc's guarantee); more throws `std::invalid_argument`.
-// - cudaMalloc failing for lack of memory throws `out_of_memory` ("cudaMalloc returned
-//   cudaErrorMemoryAllocation ..."); any other CUDA error throws `cuda_error`. A failing
-//   cudaFree goes to the error handler.
+// - cudaMalloc failing for lack of memory is tried once more if the process's vm_resources
+//   held memory ahead of need on the device and gave it back (detail/held_ahead.hpp); then it
+//   throws `out_of_memory` ("cudaMalloc returned cudaErrorMemoryAllocation ..."); any other
+//   CUDA error throws `cuda_error`. A failing cudaFree goes to the error handler.
 // - Streams: cudaMalloc is synchronous, so the stream-ordered allocate ignores the stream —
 //   the memory is usable by every stream at once. cudaFree is synchronous too, but whether it
 //   waits for work on every stream is the driver's business; we do not rely on it. The
@@ -64,7 +65,10 @@ class device_resource final : public memory_resource {
     detail::check_cuda_alignment("device_resource", alignment);
     const device_guard on{device()};
     void* p = nullptr;
-    detail::throw_if_allocation_failed(cudaMalloc(&p, bytes), *this, bytes, alignment, "cudaMalloc");
+    std::size_t given_back = 0;
+    const cudaError_t code =
+        detail::allocate_giving_way(device(), given_back, [&] { return cudaMalloc(&p, bytes); });
+    detail::throw_if_allocation_failed(code, *this, bytes, alignment, "cudaMalloc", given_back);
     usage_.add(bytes);
     return p;
   }

@@ -32,7 +32,8 @@
 // - A memory_resource of kind device on `options.device` (the current device by default): a
 //   CUDA pool of its own created with cudaMemHandleTypePosixFileDescriptor, allocation and
 //   free stream-ordered (cudaMallocFromPoolAsync / cudaFreeAsync), alignment up to 256 bytes,
-//   out of memory as `out_of_memory`. A device whose pools cannot export POSIX descriptors
+//   out of memory as `out_of_memory` (once memory held ahead by vm_resources has given way:
+//   detail/held_ahead.hpp). A device whose pools cannot export POSIX descriptors
 //   throws `cuda_error` (cudaErrorNotSupported); no GPU `no_device_error`; a bad id
 //   `std::out_of_range`.
 // - `export_pool()` returns a new descriptor for the pool (an `ipc_pool_export`: its `fd`, a
@@ -219,8 +220,12 @@ class ipc_pool_resource final : public memory_resource {
     detail::check_cuda_alignment("ipc_pool_resource", alignment);
     const device_guard on{device()};
     void* p = nullptr;
-    detail::throw_if_allocation_failed(cudaMallocFromPoolAsync(&p, bytes, pool_, stream.get()),
-                                       *this, bytes, alignment, "cudaMallocFromPoolAsync");
+    std::size_t given_back = 0;
+    const cudaError_t code = detail::allocate_giving_way(device(), given_back, [&] {
+      return cudaMallocFromPoolAsync(&p, bytes, pool_, stream.get());
+    });
+    detail::throw_if_allocation_failed(code, *this, bytes, alignment, "cudaMallocFromPoolAsync",
+                                       given_back);
     try {
       const std::lock_guard lock(mutex_);
       live_.emplace(p, bytes);

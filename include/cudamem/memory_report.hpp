@@ -37,6 +37,7 @@
 //   allocations of this process). When NVML cannot say, `holders` says why in one plain
 //   sentence (no library, no permission, a container whose process ids are not this
 //   process's). Host memory and simulated devices have no holders (`holders` is empty).
+//   `held_ahead`: what this process's vm_resources hold of the device ahead of need.
 // - Advice that fits. `hint()` is written for the resource the verdict concerns: the report
 //   asks, in turn, the resource that failed first (`origin`), the one the verdict points at
 //   (the limiting resource over budget, the pool whose blocks are too small), then every
@@ -52,6 +53,7 @@
 //   process); set CUDAMEM_NO_NVML to skip it.
 #pragma once
 
+#include <cudamem/detail/held_ahead.hpp>
 #include <cudamem/detail/json.hpp>
 #include <cudamem/detail/nvml/nvml.hpp>
 #include <cudamem/memory_resource.hpp>
@@ -163,6 +165,10 @@ struct memory_report {
   std::optional<device_holders> holders;      ///< who holds the device (real devices only)
   std::optional<context_reservations> context;  ///< this process's context (real devices)
   std::string resource_hint;                  ///< a resource's own advice (see hint())
+  /// Device memory this process's vm_resources hold ahead of need (detail/held_ahead.hpp) as
+  /// the report is made: a failing resource asked them to give it back first, so after a
+  /// failure it is what they made again since. Empty for host memory.
+  std::optional<std::size_t> held_ahead;
 
   /// Bytes the chain's leaf holds from the device (what "this process" holds through it).
   [[nodiscard]] std::size_t held_by_chain() const noexcept {
@@ -319,6 +325,10 @@ struct memory_report {
               "contexts, other resources) hold " + format_bytes(held_by_others().value_or(0)) +
               ".";
     }
+    if (held_ahead && *held_ahead != 0) {
+      text += " vm_resources of this process hold " + format_bytes(*held_ahead) +
+              " of the device ahead of need (trim() gives it back).";
+    }
     text += holders_text();
     for (const resource_snapshot& r : chain) {
       text += " " + r.name + ": " + format_bytes(r.stats.reserved_bytes) + " reserved, " +
@@ -353,6 +363,7 @@ struct memory_report {
                        ",\"explanation\":" + quote(explanation()) + ",\"hint\":" + quote(hint()) +
             ",\"held_by_chain\":" + std::to_string(held_by_chain()) +
             ",\"held_by_others\":" + number(held_by_others()) +
+            ",\"held_ahead\":" + number(held_ahead) +
             ",\"origin\":" + std::to_string(origin) + ",\"holders\":" + holders_json() +
             ",\"context\":" + context_json() + ",\"chain\":[";
     for (std::size_t i = 0; i < chain.size(); ++i) {
@@ -662,6 +673,7 @@ inline memory_report build_report(const memory_resource& resource, std::size_t b
     const std::size_t not_free =
         leaf_stats.reserved_bytes + leaf_stats.held_elsewhere.value_or(0);
     report.device_free = *leaf_stats.capacity > not_free ? *leaf_stats.capacity - not_free : 0;
+    report.held_ahead = held_ahead_bytes(memory_domain{-1, leaf});
   } else if (leaf->device() >= 0 && leaf->kind() != memory_kind::host &&
              leaf->kind() != memory_kind::pinned) {
     int previous = -1;
@@ -671,6 +683,7 @@ inline memory_report build_report(const memory_resource& resource, std::size_t b
         cudaMemGetInfo(&free, &total) == cudaSuccess) {
       report.device_free = free;
       report.device_total = total;
+      report.held_ahead = held_ahead_bytes(memory_domain{leaf->device(), nullptr});
       try {
         report.holders = find_holders(leaf->device());
         report.context = find_context_reservations(leaf->device());

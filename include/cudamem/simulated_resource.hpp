@@ -24,7 +24,10 @@
 //     directly it is the naive first-fit allocator that pools are compared with.
 //   `paged` — like cudaMalloc on a modern GPU, which maps physical pages behind fresh virtual
 //     addresses: a request fails only when the rounded bytes in use would exceed the capacity.
-// - A request that does not fit throws `out_of_memory`. Freeing a pointer it never gave out
+// - A request that does not fit throws `out_of_memory`, once vm_resources that draw their
+//   physical memory from this device (simulated_vm_options::physical) have given back what
+//   they hold ahead of need and it was tried again (detail/held_ahead.hpp), as on a real
+//   device. Freeing a pointer it never gave out
 //   (or twice), or with a size that does not match, goes to the error handler and changes
 //   nothing.
 // - Streams are ignored and no CUDA API is ever called: there is no device behind it.
@@ -32,6 +35,7 @@
 //   is a model and a reference, not a fast allocator.
 #pragma once
 
+#include <cudamem/detail/held_ahead.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
@@ -142,22 +146,25 @@ class simulated_resource final : public memory_resource {
     const std::size_t size = (bytes + g - 1) & ~(g - 1);
     const std::size_t align = alignment > g ? alignment : g;
     std::unique_lock lock(mutex_);
-    std::uintptr_t address = 0;
-    if (options_.layout == simulated_layout::paged) {
-      if (used_ + size <= options_.capacity && paged_next_ + size + align <= address_range) {
-        const std::uintptr_t start = base_ + paged_next_;
-        address = (start + align - 1) & ~(align - 1);
-        paged_next_ = address + size - base_;
-      }
-    } else {
-      address = take_first_fit(size, align);
-    }
+    std::uintptr_t address = take(size, align);
     if (address == 0) {
+      // As a real device's resources do: memory vm_resources hold ahead of need on this
+      // pretend device (simulated_vm_options::physical) gives way, then once more.
       lock.unlock();
-      throw_out_of_memory(*this, bytes, alignment,
-                          options_.layout == simulated_layout::paged
-                              ? "simulated device: capacity exhausted"
-                              : "simulated device: no free range large enough");
+      const std::size_t given_back = detail::give_back_held_ahead({-1, this});
+      lock.lock();
+      address = given_back != 0 ? take(size, align) : 0;
+      if (address == 0) {
+        lock.unlock();
+        std::string cause = options_.layout == simulated_layout::paged
+                                ? "simulated device: capacity exhausted"
+                                : "simulated device: no free range large enough";
+        if (given_back != 0) {
+          cause += ", after vm_resources gave back " + format_bytes(given_back) +
+                   " held ahead of need";
+        }
+        throw_out_of_memory(*this, bytes, alignment, std::move(cause));
+      }
     }
     try {
       live_.emplace(address, size);
@@ -193,6 +200,20 @@ class simulated_resource final : public memory_resource {
     if (options_.layout == simulated_layout::first_fit) {
       give_back(address, freed);
     }
+  }
+
+  /// Where `size` bytes at `align` go (carved out of the free ranges); 0 when they do not fit.
+  std::uintptr_t take(std::size_t size, std::size_t align) {
+    if (options_.layout == simulated_layout::paged) {
+      if (used_ + size > options_.capacity || paged_next_ + size + align > address_range) {
+        return 0;
+      }
+      const std::uintptr_t start = base_ + paged_next_;
+      const std::uintptr_t address = (start + align - 1) & ~(align - 1);
+      paged_next_ = address + size - base_;
+      return address;
+    }
+    return take_first_fit(size, align);
   }
 
   /// Lowest free range that holds `size` bytes at `align`; carves it out. 0 when none.

@@ -45,7 +45,11 @@
 //   (vm_resource_options::grow_ahead_bytes: a quarter of what it holds, up to 4 GiB), so a cold
 //   fill's driver calls overlap the pool's work: bench_fragmentation's mixed trace on an H100,
 //   cold, 0.85-0.91 µs per operation against 1.05-1.15 without it. `grow_ahead_bytes = 0`
-//   turns it off (no thread, nothing held beyond what growth_bytes rounds up to).
+//   turns it off (no thread, nothing held beyond what growth_bytes rounds up to). Memory held
+//   ahead gives way: growth ahead never takes the device below a floor of free memory
+//   (grow_ahead_floor_bytes: 2 GiB or 1/32 of the device), and before any cudamem resource
+//   of the process fails for lack of device memory it is given back (trim() does it on
+//   demand; vm_stats().held_ahead_bytes says how much is held).
 // - Every chunk and large block is whole handles, so wholly free memory is wholly recyclable;
 //   only chunks smaller than a handle (the pool's last resort) share one (`stranded_bytes`
 //   reports free memory held that way). Measured over the simulated 80 GiB device: swiss
@@ -158,6 +162,11 @@ class vm_pool_resource final : public memory_resource {
     pool_.release();
     return vm_.release();
   }
+
+  /// Gives back what the upstream holds ahead of need (vm_resource::trim: memory made ahead
+  /// and not used, vm_stats().held_ahead_bytes); returns the bytes. Another resource of the
+  /// process short of device memory has this done before it fails.
+  std::size_t trim() { return vm_.trim(); }
 
   /// The upstream's virtual-memory figures and the pool's blocks (walks lists: not for hot loops).
   [[nodiscard]] vm_pool_stats vm_stats() const {

@@ -94,8 +94,22 @@
 //   ahead and makes nothing more until an allocation asks; `wait_for_growth()` waits for the
 //   thread to be idle; the destructor joins it first. vm_stats().handles_created_ahead counts
 //   its handles.
+// - Memory held ahead gives way to the rest of the process. The thread never takes the
+//   device below `grow_ahead_floor_bytes` of free memory (default_grow_ahead_floor says why:
+//   2 GiB or 1/32 of the device); the resource's own growth for a request may. Memory held
+//   ahead — whole handles free at the end of what is mapped, made by the thread or left by a
+//   growth: vm_stats().held_ahead_bytes — is given back before any cudamem resource of the
+//   process fails for lack of memory on this device (device_resource, async_resource,
+//   ipc_pool_resource, another vm_resource; pools and arenas through their upstreams; a
+//   simulated_resource for vm_resources over it: detail/held_ahead.hpp), which then tries
+//   once more; `trim()` gives it back on demand. Either waits for a batch under way, then
+//   for frees pending on the memory (on the host); growth ahead then waits until the
+//   resource grows for a request of its own (so it does not take back at once what another
+//   resource needs), as it does at the floor. A vm_resource that cannot grow asks the
+//   others before it fails, with its own lock released.
 #pragma once
 
+#include <cudamem/detail/held_ahead.hpp>
 #include <cudamem/detail/spare_nodes.hpp>
 #include <cudamem/detail/vm/address_space.hpp>
 #include <cudamem/detail/vm/compactor.hpp>
@@ -129,6 +143,34 @@ namespace cudamem {
 
 /// grow_ahead_bytes when left unset, over a real device: 4 GiB.
 inline constexpr std::size_t default_grow_ahead_bytes = std::size_t{4} << 30;
+
+/// grow_ahead_floor_bytes when left unset: growth ahead leaves at least this much of a device
+/// of `device_total` bytes free: 2 GiB, or 1/32 of the device if that is more (2.5 GiB on an
+/// 80 GiB H100, 4.4 GiB on a 141 GiB H200).
+///
+/// Why. Memory made ahead is a guess. What the floor keeps free is for the rest of the
+/// process, which cannot ask us to give memory back (cuBLAS, NCCL and a framework's own
+/// caching allocator call cudaMalloc, not cudamem: only cudamem's resources ask,
+/// detail/held_ahead.hpp), and whose needs come in the middle of a run, once our pools have
+/// grown:
+/// - cuBLAS and cuBLASLt workspaces: 32 MiB per handle and stream on Hopper (4 MiB before it),
+///   256 MiB for a framework with 8 streams;
+/// - NCCL's buffers, made when a communicator first runs an algorithm (lazy connection,
+///   NCCL_RUNTIME_CONNECT, on by default since NCCL 2.22): NCCL_BUFFSIZE (4 MiB) per channel,
+///   peer and protocol, a few hundred MiB to about 1 GiB per communicator on an 8-GPU node;
+/// - kernels' local memory, which the driver grows when a kernel needs a larger stack: 1 KiB
+///   more per thread is 264 MiB on an H100 (132 SMs x 2048 resident threads);
+/// - library kernels loaded at their first launch (lazy loading, CUDA's default since 12.2):
+///   tens of MiB per library;
+/// - a framework's caching allocator beside us, which grows by its largest tensors; those
+///   scale with the device, hence the 1/32.
+/// Together about 1.5-2.5 GiB for a multi-GPU training process on a Hopper GPU. What the floor
+/// costs: the last handles of a cold fill of the whole device are made on the allocating
+/// thread, as without growth ahead (on an H100, 40 handles of ~1260: ~2.4 ms of a ~75 ms
+/// fill's driver time no longer overlaps the callers' work).
+[[nodiscard]] constexpr std::size_t default_grow_ahead_floor(std::size_t device_total) noexcept {
+  return std::max(std::size_t{2} << 30, device_total / 32);
+}
 
 /// How to build a vm_resource.
 struct vm_resource_options {
@@ -168,6 +210,10 @@ struct vm_resource_options {
   /// release() gives it back. nullopt: `default_grow_ahead_bytes` over a real device, 0 over
   /// the simulated one (its tests count driver calls). See detail/vm/growth_thread.hpp.
   std::optional<std::size_t> grow_ahead_bytes;
+  /// Free device memory growth ahead never takes the device below (it asks the device once per
+  /// batch); nullopt: default_grow_ahead_floor(the device's total memory). The resource's own
+  /// growth for a request is not bounded by it.
+  std::optional<std::size_t> grow_ahead_floor_bytes;
 };
 
 /// The physical handles under one block, in address order: they tile
@@ -203,10 +249,17 @@ struct vm_resource_stats {
   std::size_t access_calls = 0;            ///< cuMemSetAccess calls
   std::size_t unmaps = 0;                  ///< cuMemUnmap calls
   std::size_t handles_created_ahead = 0;   ///< of handles_created: by the growth thread
+  std::size_t held_ahead_bytes = 0;        ///< of free_bytes: whole handles free at the end
+                                           ///< of what is mapped, made ahead of need (by the
+                                           ///< growth thread, or the rest of a growth)
+  std::size_t given_back_ahead_bytes = 0;  ///< held ahead and given back: trim(), and for
+                                           ///< other resources of the process short of memory
+  bool growth_ahead_held_back = false;     ///< growth ahead waits for a growth of its own
+                                           ///< (after a give-back, or at the floor)
 };
 
 /// Device memory over a virtual address range; see the contract above.
-class vm_resource final : public memory_resource {
+class vm_resource final : public memory_resource, private detail::held_ahead_holder {
  public:
   /// Memory on `device` (the current device by default).
   explicit vm_resource(int device = -1, vm_resource_options options = {},
@@ -219,7 +272,7 @@ class vm_resource final : public memory_resource {
       : memory_resource(memory_kind::device, layer ? layer->device() : -1),
         layer_(std::move(layer)),
         options_(std::move(options)),
-        config_(detail::vm_config::from(layer_.get(), options_)),
+        config_(make_config(layer_.get(), options_)),
         space_(config_.reservation),
         compactor_(*layer_, config_, free_, handles_, space_),
         grow_ahead_bytes_(options_.grow_ahead_bytes.value_or(
@@ -233,9 +286,12 @@ class vm_resource final : public memory_resource {
             }
           });
     }
+    // Last, so that a constructor that throws leaves no registration behind.
+    detail::held_ahead_registry::instance().add(this, layer_->domain());
   }
 
   ~vm_resource() override {
+    detail::held_ahead_registry::instance().remove(this);  // waits for a give-back under way
     if (ahead_) {
       ahead_->stop();  // its batch in flight is published first, then released below
     }
@@ -260,6 +316,20 @@ class vm_resource final : public memory_resource {
       ahead_->wait_step(lock);
     }
     return compactor_.release_idle();
+  }
+
+  /// Gives back the memory held ahead of need (vm_stats().held_ahead_bytes: whole handles free
+  /// at the end of what is mapped, made by the growth thread or left by a growth) after the
+  /// growth step under way, if any, has ended; growth ahead then waits until the resource
+  /// grows for a request of its own. What another resource of the process does by itself
+  /// before it fails for lack of device memory (see the contract). Returns the bytes.
+  std::size_t trim() {
+    std::unique_lock lock(mutex_);
+    if (ahead_) {
+      ahead_->cancel(lock);
+      ahead_->wait_step(lock);
+    }
+    return compactor_.release_tail();
   }
 
   /// Blocks until no growth ahead is asked for or under way (grow_ahead_bytes; for tests and
@@ -296,6 +366,9 @@ class vm_resource final : public memory_resource {
     s.access_calls = calls.access_calls;
     s.unmaps = calls.unmaps;
     s.handles_created_ahead = calls.handles_created_ahead;
+    s.held_ahead_bytes = compactor_.tail_bytes();
+    s.given_back_ahead_bytes = calls.bytes_given_back_ahead;
+    s.growth_ahead_held_back = compactor_.ahead_held_back();
     return s;
   }
 
@@ -337,6 +410,15 @@ class vm_resource final : public memory_resource {
     std::size_t bytes;      ///< granule multiple
     std::size_t requested;  ///< what the caller asked for
   };
+
+  /// The config of `options` over `layer`, the floor of growth ahead resolved.
+  static detail::vm_config make_config(const detail::vm_mapping_layer* layer,
+                                       const vm_resource_options& options) {
+    detail::vm_config c = detail::vm_config::from(layer, options);  // throws for a null layer
+    c.ahead_floor = options.grow_ahead_floor_bytes.value_or(
+        default_grow_ahead_floor(layer->device_total()));
+    return c;
+  }
 
   static std::unique_ptr<detail::vm_mapping_layer> make_driver_layer(
       int device, const vm_resource_options& options, const std::source_location& where) {
@@ -398,26 +480,47 @@ class vm_resource final : public memory_resource {
     if (void* p = take_fit(r, bytes, stream, sync)) {
       return grew_ahead(lock, p);
     }
-    // While memory is being made ahead, wait for each batch and look again: a growth of our
-    // own would only queue behind the thread's in the driver, and it maps at the frontier,
-    // where the thread's batch goes (make_room runs only once the thread is idle).
-    while (ahead_ && ahead_->busy()) {
-      ahead_->wait_next_step(lock);
-      if (void* p = take_fit(r, bytes, stream, sync)) {
-        return grew_ahead(lock, p);
-      }
-    }
-    // The thread is idle now, and cannot begin a step while this lock is held.
-    // Growth first; then neighbours freed on other streams, merged by a host wait; then a
-    // compaction (detail/vm/compactor.hpp).
+    std::size_t given_back = 0;  // by the other vm_resources of the process (below)
     std::string cause;
-    if (compactor_.make_room(r.needed, r.whole, cause,
-                             [&] { return settle_run(r, stream, sync); })) {
-      if (void* p = take_fit(r, bytes, stream, sync)) {
-        return grew_ahead(lock, p);
+    for (bool others_asked = false;; others_asked = true) {
+      // While memory is being made ahead, wait for each batch and look again: a growth of our
+      // own would only queue behind the thread's in the driver, and it maps at the frontier,
+      // where the thread's batch goes (make_room runs only once the thread is idle).
+      while (ahead_ && ahead_->busy()) {
+        ahead_->wait_next_step(lock);
+        if (void* p = take_fit(r, bytes, stream, sync)) {
+          return grew_ahead(lock, p);
+        }
       }
+      // The thread is idle now, and cannot begin a step while this lock is held.
+      // Growth first; then neighbours freed on other streams, merged by a host wait; then a
+      // compaction (detail/vm/compactor.hpp).
+      cause.clear();
+      if (compactor_.make_room(r.needed, r.whole, cause,
+                               [&] { return settle_run(r, stream, sync); })) {
+        if (void* p = take_fit(r, bytes, stream, sync)) {
+          return grew_ahead(lock, p);
+        }
+      }
+      // Short of device memory, not of the physical limit or of address space?
+      const bool device_full = handles_.device_full &&
+                               handles_.mapped_bytes + config_.handle <= config_.limit;
+      lock.unlock();  // the report reads stats(), which locks; the registry locks the others
+      // Before failing for want of device memory: what the process's other vm_resources
+      // hold ahead of need on this device, then once more.
+      if (others_asked || !device_full) {
+        break;
+      }
+      given_back = detail::give_back_held_ahead(layer_->domain(), this);
+      if (given_back == 0) {
+        break;
+      }
+      lock.lock();
     }
-    lock.unlock();  // the report reads stats(), which locks
+    if (given_back != 0) {
+      cause += "; other vm_resources gave back " + format_bytes(given_back) +
+               " held ahead of need first";
+    }
     throw_out_of_memory(*this, bytes, alignment, "vm_resource: " + cause);
   }
 
@@ -469,7 +572,30 @@ class vm_resource final : public memory_resource {
     compactor_.make_ahead(*batch);
     lock.lock();
     compactor_.publish_ahead(*batch);  // throws the batch's error: the thread stops
-    return !batch->device_full;
+    return !batch->device_full && !batch->at_floor;
+  }
+
+  // --- memory held ahead gives way (detail/held_ahead.hpp) ----------------------------------
+
+  /// Another resource of the process is short of device memory: give back what is held ahead.
+  /// Called with the registry's lock held, never with ours.
+  std::size_t give_back_ahead() noexcept override {
+    try {
+      return trim();
+    } catch (const std::exception& e) {
+      report_problem(std::string("vm_resource: giving back memory held ahead: ") + e.what());
+    } catch (...) {
+      report_problem("vm_resource: giving back memory held ahead failed");
+    }
+    return 0;
+  }
+  [[nodiscard]] std::size_t bytes_held_ahead() const noexcept override {
+    try {
+      const std::lock_guard lock(mutex_);
+      return compactor_.tail_bytes();
+    } catch (...) {
+      return 0;
+    }
   }
 
   /// No free range holds `r`, growth cannot give it, but adjacent ranges freed on different

@@ -29,12 +29,15 @@ namespace {
 constexpr std::size_t MiB = std::size_t{1} << 20;
 constexpr std::size_t GiB = std::size_t{1} << 30;
 
-/// 32 MiB handles, growths of 64 MiB, and `ahead` bytes of headroom at most.
+/// 32 MiB handles, growths of 64 MiB, and `ahead` bytes of headroom at most; no floor of free
+/// memory (these are tests of the thread itself, on small devices; the floor has tests of its
+/// own in test_vm_held_ahead.cpp).
 vm_resource_options ahead_options(std::size_t ahead) {
   vm_resource_options o;
   o.handle_bytes = 32 * MiB;
   o.growth_bytes = 64 * MiB;
   o.grow_ahead_bytes = ahead;
+  o.grow_ahead_floor_bytes = 0;
   return o;
 }
 

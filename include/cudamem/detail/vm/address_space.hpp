@@ -47,6 +47,15 @@ class address_space {
 
   /// `bytes` were mapped at the frontier.
   void advance(std::size_t bytes) noexcept { frontier_ += bytes; }
+  /// Everything mapped from `address` (in the active reservation) to the frontier was given
+  /// back: new mappings go there again.
+  void retreat_to(std::uintptr_t address) noexcept {
+    for (const reservation& r : reservations_) {
+      if (r.base + r.bytes == frontier_end_ && address >= r.base && address < frontier_) {
+        frontier_ = address;
+      }
+    }
+  }
 
   /// Reserves a new range of `bytes` and makes it the active one. Throws what the layer throws.
   void reserve(vm_mapping_layer& layer, std::size_t bytes) {

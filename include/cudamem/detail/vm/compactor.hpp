@@ -37,7 +37,12 @@
 //
 // - Growth ahead (optional: vm_resource_options::grow_ahead_bytes): the same fresh handles at
 //   the frontier, made by vm_resource's growth thread before a request needs them
-//   (plan_ahead, make_ahead, publish_ahead below).
+//   (plan_ahead, make_ahead, publish_ahead below), never taking the device below a floor of
+//   free memory (grow_ahead_floor_bytes). What lies free at the frontier in whole handles is
+//   memory held ahead of need (a batch made ahead, or the rest of a growth): release_tail
+//   gives it back when another resource of the process needs the device
+//   (detail/held_ahead.hpp) or on trim(), and growth ahead then waits until the resource
+//   grows for a request of its own.
 //
 // Not thread-safe: vm_resource's mutex guards it and every part it works on. The one
 // exception is make_ahead, which calls only the layer (whose calls may run beside the other
@@ -70,6 +75,7 @@ struct vm_config {
   std::size_t limit = ~std::size_t{0};        ///< most physical bytes (physical_limit)
   std::size_t reservation = 0;                ///< bytes of one address-space reservation
   std::size_t reservations_before_sweep = 0;
+  std::size_t ahead_floor = 0;  ///< free device memory growth ahead leaves (resolved option)
 
   /// The config of a vm_resource with options `o` (a vm_resource_options) over `layer`;
   /// throws std::invalid_argument for a null layer or options no resource can work with.
@@ -114,6 +120,7 @@ struct vm_call_counts {
   std::size_t access_calls = 0;
   std::size_t unmaps = 0;
   std::size_t handles_created_ahead = 0;  ///< of handles_created: by the growth thread
+  std::size_t bytes_given_back_ahead = 0;  ///< by release_tail (trim, or for other resources)
 };
 
 class vm_compactor {
@@ -143,6 +150,7 @@ class vm_compactor {
   template <class MergeNeighbours>
   bool make_room(std::size_t needed, bool whole, std::string& cause,
                  MergeNeighbours&& merge_neighbours) {
+    ahead_held_back_ = false;  // the resource grows for a request: growth ahead may follow it
     const auto usable_at_frontier = [&] {
       const auto tail = free_.ending_at(space_.frontier());
       if (tail == free_.end()) {
@@ -252,6 +260,7 @@ class vm_compactor {
     handle_set::map_type made;       ///< made, mapped and accessible, by address
     std::size_t mapped = 0;          ///< their bytes
     bool device_full = false;        ///< a create said "out of memory"
+    bool at_floor = false;           ///< fewer made: the device is at grow_ahead_floor_bytes
     vm_call_counts calls;            ///< what the driver was asked, counted at publish
     std::exception_ptr error;        ///< a driver call failed (nothing is left made)
   };
@@ -264,10 +273,57 @@ class vm_compactor {
   }
 
   /// Whether less than the headroom lies free at the frontier while the device (and the limit)
-  /// has room for another handle: the test after an allocation, before waking the thread.
+  /// has room for another handle and growth ahead is not held back (by the floor, or after
+  /// giving memory back: until make_room grows for a request): the test after an allocation,
+  /// before waking the thread.
   [[nodiscard]] bool wants_ahead(std::size_t most) {
-    return !handles_.device_full && handles_.mapped_bytes + config_.handle <= config_.limit &&
+    return !handles_.device_full && !ahead_held_back_ &&
+           handles_.mapped_bytes + config_.handle <= config_.limit &&
            free_at_frontier() < headroom(most);
+  }
+
+  /// Whether growth ahead waits for the resource's next growth of its own (see wants_ahead).
+  [[nodiscard]] bool ahead_held_back() const noexcept { return ahead_held_back_; }
+
+  /// Bytes of the whole handles lying in the free range that ends at the frontier: memory
+  /// mapped ahead of need (by the growth thread, or the rest of a growth) that nothing uses.
+  [[nodiscard]] std::size_t tail_bytes() const {
+    const std::uintptr_t start = free_.start_of_range_ending_at(space_.frontier());
+    return start == 0 ? 0 : handles_.bytes_inside(start, space_.frontier());
+  }
+
+  /// Gives back the whole handles of the free range that ends at the frontier (tail_bytes):
+  /// waits on the host for frees pending on them (and, if recycling left stale aliases, for
+  /// every free, to unmap those first: a released handle's memory is the device's again only
+  /// once its last mapping is gone), unmaps and releases them, and moves the frontier back to
+  /// where they began. Growth ahead then waits for the next growth of the resource's own.
+  /// Returns the bytes given back.
+  std::size_t release_tail() {
+    ahead_held_back_ = true;
+    const std::uintptr_t start = free_.start_of_range_ending_at(space_.frontier());
+    if (start == 0) {
+      return 0;
+    }
+    const std::size_t bytes = handles_.bytes_inside(start, space_.frontier());
+    if (bytes == 0) {
+      return 0;
+    }
+    if (!handles_.stale.empty()) {
+      wait_and_unmap_stale();
+    }
+    std::uintptr_t lowest = space_.frontier();
+    std::size_t released = 0;
+    for (const moved_handle& h : take_recyclable({{start, space_.frontier(), bytes}})) {
+      layer_.unmap(h.old_address, h.bytes);
+      ++counts_.unmaps;
+      layer_.release(h.handle);
+      released += h.bytes;
+      lowest = std::min(lowest, h.old_address);
+    }
+    handles_.mapped_bytes -= released;
+    counts_.bytes_given_back_ahead += released;
+    space_.retreat_to(lowest);
+    return released;
   }
 
   /// The next batch: enough handles to bring the free memory at the frontier up to the
@@ -294,14 +350,23 @@ class vm_compactor {
     return b;
   }
 
-  /// Makes the batch: creates its handles (fewer when the device says no), maps them side by
-  /// side from its start and gives access with one cuMemSetAccess. Calls the layer and nothing
+  /// Makes the batch: creates its handles (fewer when the device says no, or when more would
+  /// leave it less free than the floor: one cudaMemGetInfo per batch), maps them side by side
+  /// from its start and gives access with one cuMemSetAccess. Calls the layer and nothing
   /// else: no lock is held. A failure undoes what it made and is kept in `b.error`.
   void make_ahead(ahead_batch& b) noexcept {
     const std::size_t handle = config_.handle;
     std::vector<vm_handle> created;
     std::size_t mapped = 0;
     try {
+      // What the device has free now, less the floor (unknown: nothing is made ahead).
+      const std::optional<std::size_t> free = layer_.device_free();
+      const std::size_t above_floor =
+          free && *free > config_.ahead_floor ? (*free - config_.ahead_floor) / handle : 0;
+      if (above_floor < b.handles) {
+        b.handles = above_floor;
+        b.at_floor = true;
+      }
       created.reserve(b.handles);
       while (created.size() < b.handles) {
         const auto h = layer_.create(handle);
@@ -351,6 +416,7 @@ class vm_compactor {
     counts_.unmaps += b.calls.unmaps;
     counts_.handles_created_ahead += b.calls.handles_created;
     handles_.device_full = handles_.device_full || b.device_full;
+    ahead_held_back_ = ahead_held_back_ || b.at_floor;
     if (b.error) {
       std::rethrow_exception(b.error);
     }
@@ -663,6 +729,7 @@ class vm_compactor {
   handle_set& handles_;
   address_space& space_;
   vm_call_counts counts_;
+  bool ahead_held_back_ = false;  ///< see wants_ahead
 };
 
 }  // namespace cudamem::detail

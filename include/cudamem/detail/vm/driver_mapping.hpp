@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cudamem/detail/cuda/driver.hpp>
+#include <cudamem/detail/cuda/quiet_device_scope.hpp>
 #include <cudamem/detail/vm/mapping.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
@@ -141,6 +142,17 @@ class driver_vm_mapping final : public vm_mapping_layer {
   [[nodiscard]] int device() const noexcept override { return device_; }
   [[nodiscard]] std::size_t granularity() const noexcept override { return granularity_; }
   [[nodiscard]] std::size_t device_total() const noexcept override { return device_total_; }
+  [[nodiscard]] std::optional<std::size_t> device_free() const noexcept override {
+    std::size_t free = 0;
+    std::size_t total = 0;
+    const quiet_device_scope on{device_, "vm_resource: switching device to read free memory"};
+    if (!on.ok() || cudaMemGetInfo(&free, &total) != cudaSuccess) {
+      static_cast<void>(cudaGetLastError());
+      return std::nullopt;
+    }
+    return free;
+  }
+  [[nodiscard]] memory_domain domain() const noexcept override { return {device_, nullptr}; }
 
   [[nodiscard]] std::uintptr_t reserve(std::size_t bytes) override {
     CUdeviceptr base = 0;

@@ -201,6 +201,16 @@ class free_range_index {
     return address < it->first + it->second.bytes ? it : by_address_.end();
   }
 
+  /// Where the free range that ends at `frontier` starts; 0 when none does.
+  [[nodiscard]] std::uintptr_t start_of_range_ending_at(std::uintptr_t frontier) const {
+    const auto after = by_address_.lower_bound(frontier);
+    if (frontier == 0 || after == by_address_.begin()) {
+      return 0;
+    }
+    const auto last = std::prev(after);
+    return last->first + last->second.bytes == frontier ? last->first : 0;
+  }
+
   /// The free range that ends at `frontier` (new mappings extend it), or end().
   [[nodiscard]] by_address::iterator ending_at(std::uintptr_t frontier) {
     if (frontier == 0) {

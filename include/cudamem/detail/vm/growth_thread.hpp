@@ -31,7 +31,7 @@
 //   whether a step is running now, `busy()` whether one is running or asked for;
 //   `wait_step` waits until none is running; `wait_next_step` until the next one ends or
 //   none is running nor asked for; `wait_idle` until none is running nor asked for; `cancel`
-//   drops a step asked for and not yet begun.
+//   drops a step asked for and not yet begun (and wakes those waiting for it).
 // - `stop()`, without the lock: the step in flight finishes, no other begins, the thread is
 //   joined. Idempotent; the destructor calls it.
 #pragma once
@@ -98,6 +98,7 @@ class growth_thread {
   void cancel(std::unique_lock<std::mutex>& /*held*/) noexcept {
     wanted_ = false;
     ++cancels_;  // and the step in flight does not ask for another when it ends
+    done_.notify_all();  // a thread waiting for the step asked for waits no more
   }
 
   void stop() noexcept {

@@ -35,13 +35,21 @@
 //   recorded on `freed_on` (no host wait); `wait_for_free(freed_on)` blocks the host until it
 //   has finished; `wait_for_all_frees()` does so for every stream seen. Events belong to the
 //   layer, so a stream may be destroyed after freeing on it.
+// - `device_free()` is what the device has free now (the growth thread keeps it above a
+//   floor; nullopt when it cannot be known); `domain()` names the memory the layer draws
+//   from, for detail/held_ahead.hpp: the device, or for a simulated layer the simulated
+//   device it shares (`simulated_vm_options::physical`) or itself.
 // - Threads: vm_resource calls the layer under its mutex, except its growth thread
-//   (vm_resource_options::grow_ahead_bytes), which calls create, map, set_access, and on a
-//   failure unmap and release, with no lock held. So those may run beside record_free,
+//   (vm_resource_options::grow_ahead_bytes), which calls device_free, create, map,
+//   set_access, and on a failure unmap and release, with no lock held. So those may run beside record_free,
 //   order_after_free and wait_for_free on another thread (never beside another create or map:
 //   the other threads wait for the growth thread's batch before they map). The driver is
 //   thread-safe; the simulated layer takes a lock of its own in every call.
 #pragma once
+
+#include <cudamem/detail/held_ahead.hpp>
+#include <cudamem/memory_resource.hpp>
+#include <cudamem/out_of_memory.hpp>
 
 #include <cuda_runtime_api.h>
 
@@ -79,6 +87,10 @@ class vm_mapping_layer {
   [[nodiscard]] virtual std::optional<std::size_t> simulated_capacity() const noexcept {
     return std::nullopt;
   }
+  /// The device's free memory now; nullopt when it cannot be known.
+  [[nodiscard]] virtual std::optional<std::size_t> device_free() const noexcept = 0;
+  /// The memory it draws from (see the contract).
+  [[nodiscard]] virtual memory_domain domain() const noexcept = 0;
 
   [[nodiscard]] virtual std::uintptr_t reserve(std::size_t bytes) = 0;
   virtual void free_reservation(std::uintptr_t base, std::size_t bytes) noexcept = 0;
@@ -118,6 +130,11 @@ struct simulated_vm_options {
   /// held meanwhile.
   unsigned create_us = 0;
   unsigned access_us = 0;
+  /// The pretend device whose memory the handles are (a `simulated_resource`, say; it must
+  /// outlive the layer): each handle is an allocation of it, so other resources over it share
+  /// the device with this layer, and `capacity` becomes its capacity. Null: a device of the
+  /// layer's own. (Tests of memory held ahead giving way: detail/held_ahead.hpp.)
+  memory_resource* physical = nullptr;
 };
 
 /// Host bookkeeping only: the device is a byte budget, addresses are numbers. Every call is
@@ -130,6 +147,9 @@ class simulated_vm_mapping final : public vm_mapping_layer {
   explicit simulated_vm_mapping(simulated_vm_options options = {}) : options_(options) {
     if (options_.granularity == 0 || (options_.granularity & (options_.granularity - 1)) != 0) {
       throw std::invalid_argument("simulated_vm_mapping: granularity must be a power of two");
+    }
+    if (options_.physical != nullptr) {
+      options_.capacity = options_.physical->stats().capacity.value_or(options_.capacity);
     }
   }
 
@@ -217,6 +237,22 @@ class simulated_vm_mapping final : public vm_mapping_layer {
   [[nodiscard]] std::optional<std::size_t> simulated_capacity() const noexcept override {
     return options_.capacity;
   }
+  [[nodiscard]] std::optional<std::size_t> device_free() const noexcept override {
+    if (options_.physical != nullptr) {
+      try {
+        const resource_stats s = options_.physical->stats();
+        return options_.capacity > s.reserved_bytes ? options_.capacity - s.reserved_bytes : 0;
+      } catch (...) {
+        return std::nullopt;
+      }
+    }
+    const std::lock_guard lock(mutex_);
+    return options_.capacity - physical_in_use_;
+  }
+  [[nodiscard]] memory_domain domain() const noexcept override {
+    return {-1, options_.physical != nullptr ? static_cast<const void*>(options_.physical)
+                                             : static_cast<const void*>(this)};
+  }
 
   [[nodiscard]] std::uintptr_t reserve(std::size_t bytes) override {
     const std::lock_guard lock(mutex_);
@@ -253,12 +289,24 @@ class simulated_vm_mapping final : public vm_mapping_layer {
       --failing_creates_;
       return std::nullopt;
     }
-    if (physical_in_use_ + bytes > options_.capacity) {
+    void* block = nullptr;
+    if (options_.physical != nullptr) {
+      // The device's memory, asked for as the driver asks for it: a failure is an answer (no
+      // report built), and the process's held-ahead memory is not asked for (the vm_resource
+      // calling may hold its lock; only the allocating paths above the layer may ask).
+      const no_give_back_scope quiet;
+      const discarded_report_scope discarded{*options_.physical};
+      try {
+        block = options_.physical->allocate(bytes);
+      } catch (const out_of_memory&) {
+        return std::nullopt;
+      }
+    } else if (physical_in_use_ + bytes > options_.capacity) {
       return std::nullopt;
     }
     physical_in_use_ += bytes;
     const vm_handle h = next_handle_++;
-    handles_.emplace(h, handle_state{bytes, 0, false, {}});
+    handles_.emplace(h, handle_state{bytes, 0, false, {}, block});
     return h;
   }
 
@@ -384,6 +432,7 @@ class simulated_vm_mapping final : public vm_mapping_layer {
     std::size_t mappings;
     bool released;
     std::vector<cudaStream_t> in_flight_on;  ///< streams whose frees the host has not awaited
+    void* physical_block = nullptr;          ///< its memory in options_.physical, if any
   };
   struct mapping_state {
     std::size_t bytes;
@@ -432,6 +481,9 @@ class simulated_vm_mapping final : public vm_mapping_layer {
   void forget_if_unused(std::map<vm_handle, handle_state>::iterator it) noexcept {
     if (it->second.released && it->second.mappings == 0) {
       physical_in_use_ -= it->second.bytes;
+      if (it->second.physical_block != nullptr) {
+        options_.physical->deallocate(it->second.physical_block, it->second.bytes);
+      }
       handles_.erase(it);
     }
   }

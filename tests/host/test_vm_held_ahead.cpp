@@ -1,0 +1,342 @@
+// Memory held ahead of need gives way to the rest of the process (detail/held_ahead.hpp,
+// vm_resource's contract), over simulated devices: growth ahead stops at a floor of free
+// memory; trim() gives back what was made ahead and growth ahead then waits for a growth of
+// the resource's own; a resource short of the device's memory (a simulated_resource, a pool
+// over it, another vm_pool) gets what a vm_pool made ahead, and fails only at the true limit;
+// the out-of-memory report names what is held ahead; give-backs beside allocating threads and
+// the growth thread neither deadlock nor leak.
+//
+// The shared pretend device: a paged simulated_resource is the device's memory, and the vm
+// layers draw their handles from it (simulated_vm_options::physical), so resources over it
+// and vm_pools over the layers compete for one capacity, as on a GPU.
+#include <cudamem/limiting_adaptor.hpp>
+#include <cudamem/memory_report.hpp>
+#include <cudamem/pool_resource.hpp>
+#include <cudamem/simulated_resource.hpp>
+#include <cudamem/vm_pool_resource.hpp>
+#include <cudamem/vm_resource.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace cudamem;
+using detail::simulated_vm_mapping;
+using detail::simulated_vm_options;
+
+namespace {
+
+constexpr std::size_t MiB = std::size_t{1} << 20;
+constexpr std::size_t GiB = std::size_t{1} << 30;
+
+std::uintptr_t addr(void* p) { return reinterpret_cast<std::uintptr_t>(p); }
+
+/// Growth ahead on (at most `ahead`), 32 MiB handles, growths of 64 MiB, a floor of `floor`.
+vm_resource_options ahead_options(std::size_t ahead, std::size_t floor) {
+  vm_resource_options o;
+  o.handle_bytes = 32 * MiB;
+  o.growth_bytes = 64 * MiB;
+  o.grow_ahead_bytes = ahead;
+  o.grow_ahead_floor_bytes = floor;
+  return o;
+}
+
+/// A vm_resource over a simulated device of its own.
+struct own_device_vm {
+  own_device_vm(std::size_t capacity, vm_resource_options options)
+      : vm(std::make_unique<simulated_vm_mapping>(
+               simulated_vm_options{.capacity = capacity, .granularity = 2 * MiB}),
+           std::move(options)),
+        layer(dynamic_cast<simulated_vm_mapping&>(vm.mapping_layer())) {}
+  vm_resource vm;
+  simulated_vm_mapping& layer;
+};
+
+/// A layer whose handles are `device`'s memory.
+std::unique_ptr<simulated_vm_mapping> layer_over(simulated_resource& device) {
+  return std::make_unique<simulated_vm_mapping>(
+      simulated_vm_options{.granularity = 2 * MiB, .physical = &device});
+}
+
+/// A vm_pool over a layer drawing from `device`, growing ahead up to `ahead`, with no floor.
+vm_pool_options pool_options_ahead(std::size_t ahead) {
+  vm_pool_options o;
+  o.grow_ahead_bytes = ahead;
+  o.grow_ahead_floor_bytes = 0;
+  return o;
+}
+
+/// Allocates `bytes` blocks from `mr` until it fails; returns them.
+std::vector<void*> fill(memory_resource& mr, std::size_t bytes) {
+  std::vector<void*> blocks;
+  while (true) {
+    try {
+      blocks.push_back(mr.allocate(bytes));
+    } catch (const out_of_memory&) {
+      return blocks;
+    }
+  }
+}
+
+void free_all(memory_resource& mr, std::vector<void*>& blocks, std::size_t bytes) {
+  for (void* p : blocks) {
+    mr.deallocate(p, bytes);
+  }
+  blocks.clear();
+}
+
+}  // namespace
+
+TEST_CASE("held ahead: the default floor is 2 GiB or 1/32 of the device") {
+  CHECK(default_grow_ahead_floor(16 * GiB) == 2 * GiB);
+  CHECK(default_grow_ahead_floor(80 * GiB) == 2 * GiB + 512 * MiB);
+  CHECK(default_grow_ahead_floor(128 * GiB) == 4 * GiB);
+}
+
+TEST_CASE("held ahead: growth ahead never takes the device below the floor; a request may") {
+  // 4 GiB device, floor 1 GiB. 2.5 GiB in use wants a quarter of it (640 MiB) ahead: the
+  // thread may make only what keeps 1 GiB free.
+  own_device_vm s{4 * GiB, ahead_options(2 * GiB, 1 * GiB)};
+  std::vector<void*> blocks;
+  for (int i = 0; i < 40; ++i) {
+    blocks.push_back(s.vm.allocate(64 * MiB));
+    s.vm.wait_for_growth();
+    REQUIRE(4 * GiB - s.layer.physical_in_use() >= 1 * GiB);
+  }
+  vm_resource_stats st = s.vm.vm_stats();
+  CHECK(st.handles_created_ahead > 0);
+  CHECK(st.mapped_bytes == 3 * GiB);  // exactly up to the floor
+  CHECK(st.growth_ahead_held_back);
+  CHECK(st.held_ahead_bytes == 3 * GiB - 40 * 64 * MiB);
+  // The floor is the thread's, not the requests': the device fills to its last handle.
+  std::vector<void*> more = fill(s.vm, 64 * MiB);
+  CHECK(s.vm.vm_stats().mapped_bytes == 4 * GiB);
+  CHECK(blocks.size() + more.size() == 64);
+  for (void* p : more) {
+    REQUIRE(s.layer.is_accessible(addr(p), 64 * MiB));
+  }
+  free_all(s.vm, more, 64 * MiB);
+  free_all(s.vm, blocks, 64 * MiB);
+  CHECK(s.layer.violations == 0);
+}
+
+TEST_CASE("held ahead: trim gives back what was made ahead; growth ahead waits for a growth of "
+          "its own") {
+  own_device_vm s{8 * GiB, ahead_options(1 * GiB, 0)};
+  std::vector<void*> blocks;
+  for (int i = 0; i < 40; ++i) {
+    blocks.push_back(s.vm.allocate(64 * MiB));
+  }
+  s.vm.wait_for_growth();
+  vm_resource_stats st = s.vm.vm_stats();
+  const std::size_t held = st.held_ahead_bytes;
+  REQUIRE(held >= 512 * MiB);
+  CHECK(held == st.free_bytes);  // 64 MiB blocks: whole handles, all free memory is the tail
+  const std::size_t reserved = st.reserved_virtual_bytes;
+  std::uintptr_t end_of_blocks = 0;
+  for (void* p : blocks) {
+    end_of_blocks = std::max(end_of_blocks, addr(p) + 64 * MiB);
+  }
+
+  CHECK(s.vm.trim() == held);
+  st = s.vm.vm_stats();
+  CHECK(st.held_ahead_bytes == 0);
+  CHECK(st.given_back_ahead_bytes == held);
+  CHECK(st.growth_ahead_held_back);
+  CHECK(st.mapped_bytes == st.used_bytes);
+  CHECK(s.layer.physical_in_use() == st.used_bytes);
+  CHECK(s.vm.trim() == 0);  // nothing more to give
+  for (void* p : blocks) {
+    REQUIRE(s.layer.is_accessible(addr(p), 64 * MiB));
+  }
+
+  // The next request grows for itself, where the tail was (the frontier moved back), and
+  // growth ahead follows it again.
+  void* next = s.vm.allocate(64 * MiB);
+  CHECK(addr(next) == end_of_blocks);
+  s.vm.wait_for_growth();
+  st = s.vm.vm_stats();
+  CHECK_FALSE(st.growth_ahead_held_back);
+  CHECK(st.held_ahead_bytes > 0);
+  CHECK(st.reserved_virtual_bytes == reserved);
+  blocks.push_back(next);
+  free_all(s.vm, blocks, 64 * MiB);
+  CHECK(s.layer.violations == 0);
+}
+
+TEST_CASE("held ahead: trim waits for frees pending on the memory it gives back") {
+  own_device_vm s{8 * GiB, ahead_options(0, 0)};  // no thread: the rest of a growth
+  const auto on = reinterpret_cast<cudaStream_t>(0x1000);
+  void* a = s.vm.allocate(64 * MiB, 256, on);  // a growth of 64 MiB... and the block after it
+  void* b = s.vm.allocate(64 * MiB, 256, on);
+  s.vm.deallocate(b, 64 * MiB, 256, on);  // freed on a stream: work may still touch it
+  REQUIRE(s.layer.in_flight(addr(b)));
+  CHECK(s.vm.trim() == 64 * MiB);
+  CHECK(s.layer.unmaps_in_flight == 0);  // the host waited for the stream first
+  CHECK(s.layer.calls.wait_for_free > 0);
+  s.vm.deallocate(a, 64 * MiB, 256, on);
+  CHECK(s.layer.violations == 0);
+}
+
+TEST_CASE("held ahead: a resource short of the device's memory gets what a vm_pool made ahead") {
+  simulated_resource device{{.capacity = 4 * GiB, .layout = simulated_layout::paged}};
+  vm_pool_resource vm{layer_over(device), pool_options_ahead(1 * GiB)};
+  std::vector<void*> large;
+  for (int i = 0; i < 16; ++i) {
+    large.push_back(vm.allocate(128 * MiB));  // 2 GiB in blocks of whole handles
+  }
+  vm.upstream_vm().wait_for_growth();
+  const std::size_t held = vm.vm_stats().held_ahead_bytes;
+  REQUIRE(held >= 512 * MiB);  // a quarter of what it holds
+  REQUIRE(device.used_bytes() == 2 * GiB + held);
+
+  SECTION("straight from the device") {
+    std::vector<void*> other = fill(device, 64 * MiB);
+    CHECK(other.size() * 64 * MiB == 2 * GiB);  // all of it but what the vm_pool uses
+    free_all(device, other, 64 * MiB);
+  }
+  SECTION("through a pool over it") {
+    pool_resource pool{device};
+    std::vector<void*> other = fill(pool, 32 * MiB);
+    CHECK(other.size() * 32 * MiB == 2 * GiB);
+    free_all(pool, other, 32 * MiB);
+  }
+  SECTION("a request larger than what is left fails, and says what was given back") {
+    try {
+      static_cast<void>(device.allocate(3 * GiB));
+      FAIL("3 GiB fitted into 2 GiB");
+    } catch (const out_of_memory& e) {
+      CHECK_THAT(e.report().cause, Catch::Contains("gave back " + format_bytes(held)));
+      CHECK(e.report().held_ahead == 0);  // given back, and not made again since
+    }
+  }
+  const vm_pool_stats st = vm.vm_stats();
+  CHECK(st.held_ahead_bytes == 0);
+  CHECK(st.given_back_ahead_bytes == held);
+  CHECK(st.growth_ahead_held_back);
+  // The vm_pool's blocks are untouched, and it grows again when a request needs it.
+  auto& layer = dynamic_cast<simulated_vm_mapping&>(vm.mapping_layer());
+  for (void* p : large) {
+    REQUIRE(layer.is_accessible(addr(p), 128 * MiB));
+  }
+  large.push_back(vm.allocate(128 * MiB));
+  vm.upstream_vm().wait_for_growth();
+  CHECK_FALSE(vm.vm_stats().growth_ahead_held_back);
+  free_all(vm, large, 128 * MiB);
+  CHECK(layer.violations == 0);
+}
+
+TEST_CASE("held ahead: a vm_pool short of memory gets what another vm_pool made ahead") {
+  simulated_resource device{{.capacity = 4 * GiB, .layout = simulated_layout::paged}};
+  vm_pool_resource ahead{layer_over(device), pool_options_ahead(1 * GiB)};
+  vm_pool_resource other{layer_over(device), pool_options_ahead(0)};
+  std::vector<void*> mine;
+  for (int i = 0; i < 16; ++i) {
+    mine.push_back(ahead.allocate(128 * MiB));
+  }
+  ahead.upstream_vm().wait_for_growth();
+  const std::size_t held = ahead.vm_stats().held_ahead_bytes;
+  REQUIRE(held >= 512 * MiB);
+  // Blocks of whole handles, and small ones from the pool's chunks: all but the first
+  // vm_pool's 2 GiB.
+  std::vector<void*> theirs = fill(other, 256 * MiB);
+  std::vector<void*> small = fill(other, 1 * MiB);
+  CHECK(theirs.size() * 256 * MiB + other.vm_stats().pool_chunks * 64 * MiB == 2 * GiB);
+  CHECK(ahead.vm_stats().given_back_ahead_bytes == held);
+  CHECK(device.used_bytes() == 4 * GiB);
+  free_all(other, small, 1 * MiB);
+  free_all(other, theirs, 256 * MiB);
+  free_all(ahead, mine, 128 * MiB);
+}
+
+TEST_CASE("held ahead: the out-of-memory report names what vm_resources hold ahead") {
+  simulated_resource device{{.capacity = 4 * GiB, .layout = simulated_layout::paged}};
+  vm_pool_resource vm{layer_over(device), pool_options_ahead(1 * GiB)};
+  void* block = vm.allocate(2 * GiB);
+  vm.upstream_vm().wait_for_growth();
+  const std::size_t held = vm.vm_stats().held_ahead_bytes;
+  REQUIRE(held > 0);
+  // A budget is not the device: nothing is given back for it, and the report says what is
+  // held ahead on the device.
+  limiting_adaptor limited{device, 1 * GiB};
+  try {
+    static_cast<void>(limited.allocate(2 * GiB));
+    FAIL("a 1 GiB budget gave 2 GiB");
+  } catch (const out_of_memory& e) {
+    REQUIRE(e.report().held_ahead.has_value());
+    CHECK(*e.report().held_ahead == held);
+    CHECK_THAT(e.what(), Catch::Contains("hold " + format_bytes(held) +
+                                         " of the device ahead of need"));
+    CHECK_THAT(e.report().to_json(),
+               Catch::Contains("\"held_ahead\":" + std::to_string(held)));
+  }
+  CHECK(vm.vm_stats().held_ahead_bytes == held);
+  CHECK(make_memory_report(device, 1).held_ahead == held);
+  vm.deallocate(block, 2 * GiB);
+}
+
+TEST_CASE("held ahead: give-backs beside allocating threads and the growth thread: no deadlock, "
+          "nothing leaks") {
+  detail::simulated_vm_final_state first_state;
+  detail::simulated_vm_final_state second_state;
+  simulated_resource device{{.capacity = 8 * GiB, .layout = simulated_layout::paged}};
+  {
+    const auto layer = [&](detail::simulated_vm_final_state* state) {
+      return std::make_unique<simulated_vm_mapping>(simulated_vm_options{
+          .granularity = 2 * MiB, .final_state = state, .create_us = 20, .access_us = 30,
+          .physical = &device});
+    };
+    vm_pool_resource first{layer(&first_state), pool_options_ahead(1 * GiB)};
+    vm_pool_resource second{layer(&second_state), pool_options_ahead(1 * GiB)};
+    pool_resource beside{device};
+    std::atomic<bool> leftover{false};
+    const auto worker = [&](memory_resource& mr, std::uint32_t seed) {
+      std::mt19937_64 rng{seed};
+      std::vector<std::pair<void*, std::size_t>> mine;
+      for (int op = 0; op < 600; ++op) {
+        if (mine.empty() || rng() % 100 < 55) {
+          const std::size_t bytes = (std::size_t{1} << (16 + rng() % 14)) + rng() % 4096;
+          try {
+            mine.emplace_back(mr.allocate(bytes), bytes);
+          } catch (const out_of_memory&) {
+          }
+        } else {
+          const std::size_t i = rng() % mine.size();
+          mr.deallocate(mine[i].first, mine[i].second);
+          mine[i] = mine.back();
+          mine.pop_back();
+        }
+        if (op % 97 == 0 && &mr == &first) {
+          first.trim();
+        }
+      }
+      for (const auto& [p, bytes] : mine) {
+        mr.deallocate(p, bytes);
+      }
+      leftover = leftover || mr.stats().used_bytes != 0;
+    };
+    std::thread a{worker, std::ref(static_cast<memory_resource&>(first)), 1U};
+    std::thread b{worker, std::ref(static_cast<memory_resource&>(second)), 2U};
+    std::thread c{worker, std::ref(static_cast<memory_resource&>(beside)), 3U};
+    a.join();
+    b.join();
+    c.join();
+    CHECK_FALSE(leftover);
+    first.upstream_vm().wait_for_growth();
+    second.upstream_vm().wait_for_growth();
+    CHECK(first.vm_stats().given_back_ahead_bytes > 0);
+    // `second` never trims itself: what it gave back, it gave to the others' failures.
+    CHECK(second.vm_stats().given_back_ahead_bytes > 0);
+  }
+  CHECK(first_state.physical_in_use == 0);
+  CHECK(first_state.violations == 0);
+  CHECK(second_state.physical_in_use == 0);
+  CHECK(second_state.violations == 0);
+  CHECK(device.used_bytes() == 0);
+}
