@@ -171,10 +171,30 @@ CUDAMEM_C_API cudamem_status cudamem_last_oom_report(int id, char* buf, size_t s
  * functions suffixed _1 ... _15 serve allocators 1..15 (for torch.cuda.MemPool). Their
  * signatures are PyTorch's: malloc(size, device, stream), free(ptr, size, device, stream),
  * record_stream(ptr, stream), empty_cache(). See the contract for what malloc throws. */
-CUDAMEM_C_API void* cudamem_torch_malloc(size_t size, int device, cudamem_stream_t stream);
-CUDAMEM_C_API void cudamem_torch_free(void* p, size_t size, int device, cudamem_stream_t stream);
-CUDAMEM_C_API void cudamem_torch_record_stream(void* p, cudamem_stream_t stream);
-CUDAMEM_C_API void cudamem_torch_empty_cache(void);
+#define CUDAMEM_C_TORCH_ENTRY_POINTS(suffix)                                                   \
+  CUDAMEM_C_API void* cudamem_torch_malloc##suffix(size_t size, int device,                    \
+                                                   cudamem_stream_t stream);                   \
+  CUDAMEM_C_API void cudamem_torch_free##suffix(void* p, size_t size, int device,             \
+                                                cudamem_stream_t stream);                      \
+  CUDAMEM_C_API void cudamem_torch_record_stream##suffix(void* p, cudamem_stream_t stream);   \
+  CUDAMEM_C_API void cudamem_torch_empty_cache##suffix(void);
+CUDAMEM_C_TORCH_ENTRY_POINTS()
+CUDAMEM_C_TORCH_ENTRY_POINTS(_1)
+CUDAMEM_C_TORCH_ENTRY_POINTS(_2)
+CUDAMEM_C_TORCH_ENTRY_POINTS(_3)
+CUDAMEM_C_TORCH_ENTRY_POINTS(_4)
+CUDAMEM_C_TORCH_ENTRY_POINTS(_5)
+CUDAMEM_C_TORCH_ENTRY_POINTS(_6)
+CUDAMEM_C_TORCH_ENTRY_POINTS(_7)
+CUDAMEM_C_TORCH_ENTRY_POINTS(_8)
+CUDAMEM_C_TORCH_ENTRY_POINTS(_9)
+CUDAMEM_C_TORCH_ENTRY_POINTS(_10)
+CUDAMEM_C_TORCH_ENTRY_POINTS(_11)
+CUDAMEM_C_TORCH_ENTRY_POINTS(_12)
+CUDAMEM_C_TORCH_ENTRY_POINTS(_13)
+CUDAMEM_C_TORCH_ENTRY_POINTS(_14)
+CUDAMEM_C_TORCH_ENTRY_POINTS(_15)
+#undef CUDAMEM_C_TORCH_ENTRY_POINTS
 
 /* Registers the function the torch entry points call to throw at a failed allocation; it is
  * given the report and must throw (a C++ exception of the framework's kind). NULL: none. */

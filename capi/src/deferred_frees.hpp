@@ -41,6 +41,7 @@
 #include <atomic>
 #include <cstddef>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -207,13 +208,11 @@ class deferred_frees {
         return false;
       }
       waiting_.push_back(std::move(w));
-    } catch (...) {  // no event (or no memory to keep the free): wait on the host instead
-      for (token e : w.events) {
-        events_.recycle(e);
-      }
-      for (cudaStream_t s : streams) {
-        events_.synchronize(s);
-      }
+    } catch (const std::exception& e) {  // no event, or no memory to keep the free
+      wait_on_host(w, streams, e.what());
+      return false;
+    } catch (...) {
+      wait_on_host(w, streams, "unknown exception");
       return false;
     }
     waiting_count_.store(waiting_.size(), std::memory_order_relaxed);
@@ -272,6 +271,20 @@ class deferred_frees {
     for (const waiting_free& w : ready) {  // outside the lock: the resource takes its own
       free(w.p, w.bytes, w.stream);
     }
+  }
+
+  /// The fallback: the free happens now, once the host has waited for every extra stream.
+  void wait_on_host(waiting_free& w, const std::vector<cudaStream_t>& streams,
+                    const char* why) noexcept {
+    for (token e : w.events) {
+      events_.recycle(e);
+    }
+    for (cudaStream_t s : streams) {
+      events_.synchronize(s);
+    }
+    report_problem(std::string("cudamem: a free that waits for other streams (record_stream) "
+                               "could not record an event (") + why +
+                   "); the host waited for those streams instead");
   }
 
   Events events_;

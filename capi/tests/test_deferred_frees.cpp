@@ -2,6 +2,8 @@
 // fall back to a host wait when no event can be recorded.
 #include "deferred_frees.hpp"
 
+#include "captured_errors.hpp"
+
 #include <catch2/catch.hpp>
 
 #include <memory>
@@ -119,9 +121,12 @@ TEST_CASE("deferred frees: no event to be had -> the host waits and the free hap
   auto state = std::make_shared<fake_event_state>();
   deferred_frees<fake_events> waiting{fake_events{state}};
   state->fail_record = true;
+  const cudamem_test::captured_errors errors;
   CHECK_FALSE(waiting.defer(block(1), 1, stream(1), {stream(2), stream(3)}));
   CHECK(state->synchronized == std::vector<cudaStream_t>{stream(2), stream(3)});
   CHECK(waiting.waiting() == 0);
+  REQUIRE(errors.messages().size() == 1);  // said, not silent
+  CHECK_THAT(errors.messages()[0], Catch::Contains("could not record an event (no event)"));
 }
 
 TEST_CASE("deferred frees: simulated events are complete at once and touch no CUDA") {
