@@ -7,6 +7,8 @@ directly. CuPy's hook (cudamem.cupy) calls allocate/deallocate below once per al
 import ctypes
 import glob
 import os
+import re
+import sys
 import threading
 
 from ._errors import (ConfigError, CudamemError, NoDeviceError, OutOfMemoryError,
@@ -72,8 +74,41 @@ def lib():
     global _lib
     with _lock:
         if _lib is None:
-            _lib = _declare(ctypes.CDLL(library_path()))
+            _lib = _declare(_load(library_path()))
         return _lib
+
+
+def _load(path):
+    """Loads libcudamem_c. It needs the CUDA runtime as a shared library: the one a framework
+    loaded already (PyTorch loads it at import), else one found in the usual places — the
+    nvidia-cuda-runtime wheel that PyTorch and CuPy install, CUDA_HOME, /usr/local/cuda."""
+    try:
+        return ctypes.CDLL(path)
+    except OSError as first:
+        needed = re.search(r"libcudart\.so\.\d+", str(first))
+        if needed is None:
+            raise CudamemError("cudamem: cannot load %s: %s" % (path, first)) from None
+        for candidate in _runtime_candidates(needed.group(0)):
+            try:
+                ctypes.CDLL(candidate, mode=ctypes.RTLD_GLOBAL)
+                return ctypes.CDLL(path)
+            except OSError:
+                continue
+        raise CudamemError(
+            "cudamem: %s needs the CUDA runtime %s, which was not found: install PyTorch or "
+            "CuPy built for this CUDA version, or the CUDA Toolkit, or put the directory that "
+            "holds it on LD_LIBRARY_PATH" % (path, needed.group(0))) from None
+
+
+def _runtime_candidates(name):
+    roots = [p for p in sys.path if p and os.path.isdir(p)]
+    for root in roots:
+        for sub in ("nvidia/cu13/lib", "nvidia/cu12/lib", "nvidia/cuda_runtime/lib"):
+            yield os.path.join(root, sub, name)
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home:
+            yield os.path.join(home, "lib64", name)
+            yield os.path.join(home, "targets", "x86_64-linux", "lib", name)
 
 
 def _declare(l):

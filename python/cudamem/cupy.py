@@ -27,6 +27,10 @@ import cupy
 from . import _native, _process
 from ._errors import OutOfMemoryError as _CudamemOutOfMemory
 
+# CuPy's CUDA runtime first, so that libcudamem_c uses the same one (one runtime per process:
+# a second would not know CuPy's streams).
+cupy.cuda.runtime.runtimeGetVersion()
+
 __all__ = ["install", "is_installed", "stats", "report", "release", "OutOfMemoryError"]
 
 
