@@ -56,14 +56,15 @@ def main():
 
     if "frag" in parts:
         print("fragmentation: live at the first OOM / free at start", flush=True)
-        for seed in args.seeds.split(","):
-            row = {}
-            for a in common.ALLOCATORS:
-                r = run("frag.py", a, "--trace", "mixed", "--seed", seed,
-                        "--free-gib", args.frag_free_gib)
-                if r:
-                    row[a] = number(r[0])
-            table.append(("mixed trace, seed %s (fraction)" % seed, row, "%.4f"))
+        for trace in ("mixed", "heavy"):
+            for seed in args.seeds.split(","):
+                row = {}
+                for a in common.ALLOCATORS:
+                    r = run("frag.py", a, "--trace", trace, "--seed", seed,
+                            "--free-gib", args.frag_free_gib)
+                    if r:
+                        row[a] = number(r[0])
+                table.append(("%s trace, seed %s (fraction)" % (trace, seed), row, "%.4f"))
         row = {}
         for a in common.ALLOCATORS:
             r = run("frag.py", a, "--trace", "swiss", "--free-gib", args.frag_free_gib)

@@ -214,7 +214,8 @@ class allocator {
   /// no_device_error when there is no device at all.
   void check_device(int device, bool simulated) {
     // (Asked each time: only a device's first allocation and stats() before it come here.)
-    const int count = simulated ? simulated_devices : std::min(cudamem::device_count(), max_devices);
+    const int count =
+        simulated ? simulated_devices : std::min(cudamem::device_count(), max_devices);
     if (device < 0 || device >= count) {
       throw std::out_of_range("cudamem: device " + std::to_string(device) + " does not exist (" +
                               std::to_string(count) + (simulated ? " simulated" : "") +

@@ -172,7 +172,7 @@ class torch_out_of_memory : public std::bad_alloc {
   std::string report_;
 };
 
-// --- PyTorch ----------------------------------------------------------------------------------------
+// --- PyTorch ------------------------------------------------------------------------------------
 
 std::atomic<cudamem_oom_thrower> torch_oom_thrower{nullptr};
 
@@ -250,7 +250,7 @@ void torch_empty_cache() noexcept {
 
 }  // namespace
 
-// --- the C functions ------------------------------------------------------------------------------
+// --- the C functions ----------------------------------------------------------------------------
 
 extern "C" {
 

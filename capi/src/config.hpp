@@ -213,7 +213,8 @@ inline void validate(const allocator_config& c, std::string_view source) {
   only_vm_pool("handle_bytes", c.handle_bytes);
   if (c.simulate_bytes && c.resource == resource_choice::async) {
     throw config_error("cudamem: simulate_bytes (set in " + std::string(source) +
-                       " or by CUDAMEM_SIMULATE_BYTES) cannot simulate resource=async (it is the CUDA driver's own pool); "
+                       " or by CUDAMEM_SIMULATE_BYTES) cannot simulate resource=async (it is "
+                       "the CUDA driver's own pool); "
                        "use vm_pool or pool");
   }
 }

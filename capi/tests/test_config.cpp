@@ -112,7 +112,7 @@ TEST_CASE("capi config: environment variables, checked whole and named in the me
   allocator_config c;
   apply_environment(c, environment{{{"CUDAMEM_RESOURCE", "pool"},
                                     {"CUDAMEM_LIMIT_BYTES", "2GiB"},
-                                    {"CUDAMEM_NO_NVML", "1"}}});  // other CUDAMEM_ variables: not ours
+                                    {"CUDAMEM_NO_NVML", "1"}}});  // others: not ours
   CHECK(c.resource == resource_choice::pool);
   CHECK(c.limit_bytes == 2 * GiB);
   // An explicit text overrides the environment key by key.

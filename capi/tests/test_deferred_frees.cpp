@@ -135,6 +135,7 @@ TEST_CASE("deferred frees: simulated events are complete at once and touch no CU
   freed out;
   uses.add(block(1), stream(9));
   CHECK(waiting.defer(block(1), 8, stream(1), uses.take(block(1))));
-  waiting.retire_completed([&](void* p, std::size_t n, cudaStream_t s) { out.emplace_back(p, n, s); });
+  waiting.retire_completed(
+      [&](void* p, std::size_t n, cudaStream_t s) { out.emplace_back(p, n, s); });
   CHECK(out.size() == 1);
 }
