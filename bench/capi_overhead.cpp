@@ -45,12 +45,11 @@ double median(std::vector<double> v) {
   return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
-void* checked(cudamem_status s, void* p) {
+void check_status(cudamem_status s) {
   if (s != CUDAMEM_OK) {
     std::fprintf(stderr, "bench_capi_overhead: %s\n", cudamem_last_error());
     std::exit(1);
   }
-  return p;
 }
 
 }  // namespace
@@ -66,7 +65,7 @@ int main(int argc, char** argv) try {
   const auto stream = static_cast<cudamem_stream_t>(s.get());
 
   int id = 0;
-  checked(cudamem_allocator_create("resource=vm_pool", &id), nullptr);
+  check_status(cudamem_allocator_create("resource=vm_pool", &id));
   if (id != 1) {
     std::fprintf(stderr, "bench_capi_overhead: expected allocator 1, got %d\n", id);
     return 1;
@@ -79,10 +78,11 @@ int main(int argc, char** argv) try {
   variants.push_back({"C API (cudamem_allocate)",
                       [&](std::size_t n) {
                         void* p = nullptr;
-                        return checked(cudamem_allocate(id, n, 0, stream, &p), p);
+                        check_status(cudamem_allocate(id, n, 0, stream, &p));
+                        return p;
                       },
                       [&](void* p, std::size_t n) {
-                        checked(cudamem_deallocate(id, p, n, 0, stream), nullptr);
+                        check_status(cudamem_deallocate(id, p, n, 0, stream));
                       },
                       {}});
   variants.push_back({"PyTorch entry points",
@@ -124,7 +124,7 @@ int main(int argc, char** argv) try {
                   m - reference);
     }
   }
-  checked(cudamem_allocator_destroy(id), nullptr);
+  check_status(cudamem_allocator_destroy(id));
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "bench_capi_overhead: %s\n", e.what());

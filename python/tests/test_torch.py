@@ -156,6 +156,14 @@ def test_record_stream_keeps_a_block_from_being_reused_early():
         ct.install(grow_ahead_bytes=0)
         n = 1 << 22
         main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+        # Warm up every kernel used below on both streams: the first launch of a kernel loads
+        # its module (CUDA's lazy loading), which waits for the device and would end the sleep.
+        for stream in (main, side):
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(1000)
+                warm = torch.full((n,), 1.0, device="cuda") * 2
+                (warm == 2).all().item()
+        del warm
         torch.cuda.synchronize()
         x = torch.full((n,), 1.0, device="cuda")
         address = x.data_ptr()
