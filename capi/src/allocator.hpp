@@ -87,7 +87,8 @@ class allocator {
     const std::lock_guard lock(mutex_);
     return config_;
   }
-  [[nodiscard]] bool raise_on_oom() const noexcept { return raise_on_oom_.load(); }
+  /// Whether PyTorch's entry points throw at a failed allocation (else return null).
+  [[nodiscard]] bool raise_on_oom() const { return config().raise_on_oom; }
   /// Whether anything was ever allocated (the configuration is fixed).
   [[nodiscard]] bool started() const noexcept { return started_.load(); }
 
@@ -238,7 +239,6 @@ class allocator {
     }
     auto made = std::make_unique<per_device>(config_, device);
     started_.store(true);
-    raise_on_oom_.store(config_.raise_on_oom);
     slot.store(made.get(), std::memory_order_release);
     return *made.release();
   }
@@ -269,7 +269,6 @@ class allocator {
   mutable std::mutex mutex_;  ///< configuration and stack creation
   allocator_config config_;
   std::atomic<bool> started_{false};
-  std::atomic<bool> raise_on_oom_{true};
   std::array<std::atomic<per_device*>, max_devices> devices_{};
   stream_uses uses_;  ///< record_stream's extra streams, for every device
   mutable std::mutex report_mutex_;

@@ -181,16 +181,15 @@ template <int Id>
 void* torch_malloc(std::size_t size, int device, cudamem_stream_t stream) {
   std::string message;
   bool oom = false;
-  bool refuse_with_null = false;
+  bool return_null = false;
   try {
     allocator& a = allocator_at(Id);
-    refuse_with_null = !a.raise_on_oom();
     try {
       return a.allocate(size, device, as_stream(stream));
     } catch (const cudamem::out_of_memory& e) {
-      refuse_with_null = !a.raise_on_oom();  // the configuration is fixed now
       oom = true;
       message = e.what();
+      return_null = !a.raise_on_oom();
     }
   } catch (const cudamem::out_of_memory& e) {
     oom = true;
@@ -201,7 +200,7 @@ void* torch_malloc(std::size_t size, int device, cudamem_stream_t stream) {
   } catch (const std::exception& e) {
     message = e.what();
   }
-  if (refuse_with_null && oom) {
+  if (return_null) {
     return nullptr;  // torch.cuda.MemPool's caching allocator frees its cache and retries
   }
   if (oom) {
