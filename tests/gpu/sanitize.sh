@@ -194,6 +194,7 @@ example_expects() {
     leak_on_exception | leaked_context) echo leak ;;   # the raw way leaks device memory
     fragmentation | explain_oom) echo api-error ;;      # raw cudaMalloc / a pool run out
     in_kernel_heap) echo api-error ;;  # restoring a heap size CUDA has fixed: refused, on purpose
+    nccl_allreduce) echo api-error ;;  # ncclMemAlloc tries fabric handles first: refused without IMEX
     *) echo none ;;
   esac
 }
