@@ -215,6 +215,9 @@ std::vector<stream> one_stream_per_device() {
 
 TEST_CASE("nccl_communicator: one per GPU, ranks in order; bad input before NCCL") {
   auto& comms = communicators();
+  int version = 0;
+  check_nccl(ncclGetVersion(&version), "ncclGetVersion");
+  CHECK(version == NCCL_VERSION_CODE);  // the library loaded is the one nccl.h describes
   const int n = device_count();
   REQUIRE(comms.size() == static_cast<std::size_t>(n));
   for (int d = 0; d < n; ++d) {
