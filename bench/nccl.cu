@@ -195,7 +195,8 @@ class pool_variant final : public variant {
   ~pool_variant() override { release(); }
 
   struct stack {
-    stack(int device, ncclComm_t comm) : memory(device), registered(memory, comm), pool(registered) {}
+    stack(int device, ncclComm_t comm)
+        : memory(device), registered(memory, comm), pool(registered) {}
     cudamem::nccl_mem_resource memory;
     cudamem::nccl_registering_adaptor registered;
     cudamem::pool_resource pool;
@@ -374,8 +375,11 @@ void bandwidth_part(const options& o, const std::vector<cudamem::nccl_communicat
     for (std::size_t k = 0; k < count_of_variants; ++k) {
       std::printf(" %16.1f", median(rates[k]));
     }
-    std::printf(" %10.3f %12.3f  %s\n", ratio, median(vm_pool_ratio),
-                wrong != 0 ? "WRONG RESULTS" : !bus ? "(one rank)" : ok ? "ok (>= 0.98)" : "BELOW 0.98");
+    const char* verdict = wrong != 0 ? "WRONG RESULTS"
+                          : !bus     ? "(one rank)"
+                          : ok       ? "ok (>= 0.98)"
+                                     : "BELOW 0.98";
+    std::printf(" %10.3f %12.3f  %s\n", ratio, median(vm_pool_ratio), verdict);
     for (auto& v : variants) {
       v->release();
     }

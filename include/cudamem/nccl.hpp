@@ -660,8 +660,8 @@ class nccl_mem_resource final : public memory_resource {
   void do_deallocate(void* p, std::size_t bytes, std::size_t alignment,
                      stream_view stream) noexcept override {
     const detail::quiet_device_scope on{device(), "nccl_mem_resource: switching device to free"};
-    detail::wait_for_stream_before_free(stream,
-                                        "nccl_mem_resource: waiting for the stream before ncclMemFree");
+    detail::wait_for_stream_before_free(
+        stream, "nccl_mem_resource: waiting for the stream before ncclMemFree");
     do_deallocate_sync(p, bytes, alignment);
   }
 

@@ -83,7 +83,8 @@ struct registration_counts {
   [[nodiscard]] bool overlaps_live(const void* p, std::size_t bytes) const {
     const auto begin = reinterpret_cast<std::uintptr_t>(p);
     return std::any_of(live.begin(), live.end(), [&](const auto& entry) {
-      return entry.second.address < begin + bytes && begin < entry.second.address + entry.second.bytes;
+      const range& r = entry.second;
+      return r.address < begin + bytes && begin < r.address + r.bytes;
     });
   }
 };

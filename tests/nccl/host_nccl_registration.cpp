@@ -51,7 +51,8 @@ struct fake_nccl_state {
   [[nodiscard]] bool overlaps_live(const void* p, std::size_t bytes) const {
     const auto begin = reinterpret_cast<std::uintptr_t>(p);
     return std::any_of(live.begin(), live.end(), [&](const auto& entry) {
-      return entry.second.address < begin + bytes && begin < entry.second.address + entry.second.bytes;
+      const range& r = entry.second;
+      return r.address < begin + bytes && begin < r.address + r.bytes;
     });
   }
   [[nodiscard]] std::size_t live_bytes() const {
@@ -308,7 +309,8 @@ TEST_CASE("nccl_registration: a failing deregistration is reported, never thrown
   }
   REQUIRE(captured_errors::messages().size() == 1);
   CHECK_THAT(captured_errors::messages()[0],
-             Catch::Contains("ncclCommDeregister of 256 B") && Catch::Contains("ncclInternalError"));
+             Catch::Contains("ncclCommDeregister of 256 B") &&
+                 Catch::Contains("ncclInternalError"));
 }
 
 TEST_CASE("nccl_error and check_nccl: the code and what was being done") {
