@@ -10,7 +10,7 @@
 // 1. Bus bandwidth of an out-of-place float sum all-reduce, M = 1 MiB .. 1 GiB (doubling), on
 //    every rank over, in the same run:
 //      cudaMalloc       cudaMalloc'd send and receive buffers, not registered
-//      cudaMalloc+reg   the same, each registered (ncclCommRegister). NCCL 2.23+ uses such a
+//      cudaMalloc+reg   the same, each registered (ncclCommRegister). NCCL 2.24+ uses such a
 //                       registration only with NCCL_LEGACY_CUDA_REGISTER=1 (--legacy-register
 //                       sets it; the program prints what NCCL sees)
 //      ncclMemAlloc+reg ncclMemAlloc'd buffers, each registered: NCCL's documented way

@@ -51,7 +51,7 @@
 //   (and as fabric handles where the fabric exists), its address and size multiples of the
 //   recommended granularity — what ncclMemAlloc gives (nccl_mem_resource), and what
 //   nccl_vm_pool_options asks of a vm_pool. cudaMalloc'd memory is accepted by
-//   ncclCommRegister, but NCCL 2.23+ uses it for its local zero-copy paths only with
+//   ncclCommRegister, but NCCL 2.24+ uses it for its local zero-copy paths only with
 //   NCCL_LEGACY_CUDA_REGISTER=1. NCCL also asks that, in one collective, either every rank's
 //   buffers are registered or none are.
 // - cudamem never sets NCCL's environment. Its programs and tests set NCCL_NVLS_ENABLE=0 (if
