@@ -33,9 +33,10 @@
 // because every cudamem program may write an out-of-memory report and must not need the
 // library to start. Here the program already calls NCCL (it made the communicator), and the
 // communicator is a pointer into *that* NCCL's state: our calls must reach the same copy. A
-// dlopen("libnccl.so.2") could load a second copy beside one linked statically (PyTorch's
-// wheels do) and hand it a communicator it never made; a direct call resolves to the NCCL
-// the program links, and a program that links none fails at link time, not at run time.
+// dlopen("libnccl.so.2") could load a second copy beside one linked statically into the
+// program (some frameworks' builds are) and hand it a communicator it never made; a direct
+// call resolves to the NCCL the program links, and a program that links none fails at link
+// time, not at run time.
 //
 // Contract
 // - Lifetimes: a communicator must outlive every registration made with it, and so every
@@ -58,8 +59,9 @@
 //   unset) before the first communicator: NVLink multicast can take a shared host's GPUs out
 //   of service, and cudamem never calls the multicast API itself.
 // - Errors: a failing NCCL call throws `nccl_error` (the code, NCCL's text and its last
-//   warning, what was being done, where); in destructors and frees it goes to the error
-//   handler (error.hpp). Bad arguments (a null communicator or pointer, zero bytes, memory of
+//   warning — process-wide, so possibly older than the call —, what was being done, where);
+//   in destructors and frees it goes to the error handler (error.hpp). Every owner's
+//   constructor either owns what it made or throws having left nothing behind. Bad arguments (a null communicator or pointer, zero bytes, memory of
 //   another device or kind than the communicator's) throw `std::invalid_argument` before NCCL
 //   is called.
 // - NCCL changes the calling thread's current device in some calls (ncclCommDeregister
