@@ -356,8 +356,9 @@ class nccl_registration {
 
   /// Registers the range with `comm`. Throws std::invalid_argument for a null communicator or
   /// address or zero bytes, nccl_error when NCCL refuses (nothing is registered then).
-  nccl_registration(ncclComm_t comm, void* address, std::size_t bytes)
-      : nccl_registration(comm, address, bytes, detail::nccl_library_calls()) {}
+  nccl_registration(ncclComm_t comm, void* address, std::size_t bytes,
+                    std::source_location where = std::source_location::current())
+      : nccl_registration(comm, address, bytes, detail::nccl_library_calls(), where) {}
 
   /// The same through a table of calls (tests; see detail::nccl_calls).
   nccl_registration(ncclComm_t comm, void* address, std::size_t bytes,

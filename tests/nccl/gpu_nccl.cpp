@@ -274,6 +274,9 @@ TEST_CASE("nccl_registration: memory CUDA does not know is refused with nccl_err
   ncclComm_t comm = communicators()[0].get();
   std::vector<char> host(MiB);
   CHECK_THROWS_AS((nccl_registration{comm, host.data(), host.size()}), nccl_error);
+  CHECK_THROWS_WITH((nccl_registration{comm, host.data(), host.size()}),
+                    Catch::Contains("ncclCommRegister of 1.00 MiB") &&
+                        Catch::Contains("gpu_nccl.cpp"));  // the caller's line
   CHECK_THROWS_AS((nccl_registration{nullptr, host.data(), host.size()}), std::invalid_argument);
 }
 
