@@ -14,6 +14,11 @@
 //
 //   cudamem::vm_pool_resource shared{0, {.peers = {1}}}; // device 1 may read and write it too
 //
+//   cudamem::vm_pool_options o;                          // chunks and large blocks pass
+//   o.upstream_adaptor = [](cudamem::vm_resource& vm) {  // through an adaptor of your own
+//     return std::make_unique<cudamem::statistics_adaptor>(vm);  // (nccl.hpp: registration)
+//   };
+//
 // What it is: a `pool_resource` over a `vm_resource`, owned together, each serving what it is
 // best at.
 // - Blocks of a handle (64 MiB) or more go straight to the upstream (vm_resource.hpp), which
@@ -68,6 +73,13 @@
 //   physical_limit: that limit) is this resource's own.
 // - stats(): reserved and used bytes are the pool's chunks plus the large blocks (the peak is
 //   the sum of both peaks, an upper bound); free blocks are the pool's.
+// - `upstream_adaptor` (optional): called once by the constructor with the vm_resource; what
+//   it returns sits between the vm_resource and everything taken from it — the pool's chunks
+//   and the large blocks — so it sees each as it is made and as it goes back (nccl.hpp
+//   registers them with a communicator). Owned by the vm_pool_resource: destroyed after the
+//   pool, before the vm_resource. Its chain of upstreams must lead to that vm_resource, else
+//   `std::invalid_argument` (so does a factory that returns nothing). `upstream()` is then
+//   the adaptor, and reports show it between this resource and the vm_resource.
 #pragma once
 
 #include <cudamem/detail/spare_nodes.hpp>
@@ -82,10 +94,12 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <source_location>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -114,6 +128,9 @@ struct vm_pool_options : vm_resource_options {
   /// The pool's options (see vm_pool_chunking). Keep chunk sizes multiples of handle_bytes,
   /// so a wholly free chunk is whole handles the upstream can recycle.
   pool_options pool = vm_pool_chunking();
+  /// Optional: makes the adaptor that the pool's chunks and the large blocks pass through,
+  /// over the vm_resource it is given (see the contract). Empty: none.
+  std::function<std::unique_ptr<memory_resource>(vm_resource&)> upstream_adaptor;
 };
 
 /// What a vm_pool_resource holds: the upstream's virtual-memory figures, the pool's blocks.
@@ -141,12 +158,14 @@ class vm_pool_resource final : public memory_resource {
                             vm_pool_options options = {})
       : memory_resource(memory_kind::device, layer ? layer->device() : -1),
         vm_(std::move(layer), static_cast<const vm_resource_options&>(options)),
-        pool_(vm_, options.pool),
+        adaptor_(make_adaptor(vm_, options.upstream_adaptor)),
+        source_(adaptor_ ? adaptor_.get() : &vm_),
+        pool_(*source_, options.pool),
         large_(vm_.handle_bytes()) {}
 
   vm_pool_resource(const vm_pool_resource&) = delete;
   vm_pool_resource& operator=(const vm_pool_resource&) = delete;
-  ~vm_pool_resource() override = default;  // the pool goes first, then the upstream
+  ~vm_pool_resource() override = default;  // the pool goes first, then the adaptor, the upstream
 
   /// Gives the pool's wholly free chunks back to the upstream, then the upstream's wholly free
   /// handles back to the driver; returns the physical bytes given back.
@@ -173,6 +192,8 @@ class vm_pool_resource final : public memory_resource {
 
   [[nodiscard]] pool_resource& pool() noexcept { return pool_; }
   [[nodiscard]] vm_resource& upstream_vm() noexcept { return vm_; }
+  /// What options.upstream_adaptor made, or nullptr when it was empty.
+  [[nodiscard]] memory_resource* upstream_adaptor() const noexcept { return adaptor_.get(); }
   /// The mapping layer (tests inspect the simulated one).
   [[nodiscard]] detail::vm_mapping_layer& mapping_layer() const noexcept {
     return vm_.mapping_layer();
@@ -209,7 +230,7 @@ class vm_pool_resource final : public memory_resource {
                      stream_view stream) noexcept override {
     if (bytes >= large_) {
       if (forget_large(p)) {
-        vm_.deallocate(p, bytes, alignment, stream);
+        source_->deallocate(p, bytes, alignment, stream);
       }
       return;
     }
@@ -218,7 +239,7 @@ class vm_pool_resource final : public memory_resource {
   void do_deallocate_sync(void* p, std::size_t bytes, std::size_t alignment) noexcept override {
     if (bytes >= large_) {
       if (forget_large(p)) {
-        vm_.deallocate(p, bytes, alignment);
+        source_->deallocate(p, bytes, alignment);
       }
       return;
     }
@@ -230,8 +251,8 @@ class vm_pool_resource final : public memory_resource {
   void* allocate_large(std::size_t bytes, std::size_t alignment, const stream_view* stream) {
     const auto ask = [&] {
       const detail::discarded_report_scope discarded{vm_};  // reported from here, if at all
-      return stream != nullptr ? allocate_checked(vm_, bytes, alignment, *stream)
-                               : allocate_checked(vm_, bytes, alignment);
+      return stream != nullptr ? allocate_checked(*source_, bytes, alignment, *stream)
+                               : allocate_checked(*source_, bytes, alignment);
     };
     void* p = nullptr;
     try {
@@ -252,7 +273,7 @@ class vm_pool_resource final : public memory_resource {
       large_used_ += bytes;
       large_peak_ = std::max(large_peak_, large_used_);
     } catch (...) {  // no host memory to record it: give it back, nothing happened
-      vm_.deallocate(p, bytes, alignment);
+      source_->deallocate(p, bytes, alignment);
       throw;
     }
     return p;
@@ -288,7 +309,7 @@ class vm_pool_resource final : public memory_resource {
     return s;
   }
   memory_resource* do_upstream() const noexcept override {
-    return const_cast<vm_resource*>(&vm_);  // the chain a report walks: this, then the upstream
+    return source_;  // the chain a report walks: this, (the adaptor,) the vm_resource
   }
   // Advice on its own failures (memory_report asks): what release() and the options can do.
   std::string do_oom_hint(const memory_report& report, std::size_t /*position*/) const override {
@@ -316,7 +337,29 @@ class vm_pool_resource final : public memory_resource {
            "long-lived blocks, or allocate the largest buffers first.";
   }
 
+  /// Calls the factory and checks that what it made leads to `vm`.
+  static std::unique_ptr<memory_resource> make_adaptor(
+      vm_resource& vm,
+      const std::function<std::unique_ptr<memory_resource>(vm_resource&)>& factory) {
+    if (!factory) {
+      return nullptr;
+    }
+    std::unique_ptr<memory_resource> adaptor = factory(vm);
+    if (!adaptor) {
+      throw std::invalid_argument("cudamem: vm_pool_options::upstream_adaptor made no resource");
+    }
+    for (const memory_resource* r = adaptor.get(); r != &vm; r = r->upstream()) {
+      if (r == nullptr) {
+        throw std::invalid_argument("cudamem: vm_pool_options::upstream_adaptor made a resource "
+                                    "whose upstreams do not lead to the vm_pool's vm_resource");
+      }
+    }
+    return adaptor;
+  }
+
   vm_resource vm_;
+  std::unique_ptr<memory_resource> adaptor_;  ///< options.upstream_adaptor's, or none
+  memory_resource* source_;  ///< where chunks and large blocks come from: adaptor_ or vm_
   pool_resource pool_;
   std::size_t large_;  ///< blocks of this many bytes or more are the upstream's (a handle)
   mutable std::mutex large_mutex_;  ///< guards the three below
