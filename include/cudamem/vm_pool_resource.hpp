@@ -80,11 +80,26 @@
 //   pool, before the vm_resource. Its chain of upstreams must lead to that vm_resource, else
 //   `std::invalid_argument` (so does a factory that returns nothing). `upstream()` is then
 //   the adaptor, and reports show it between this resource and the vm_resource.
+// - Under compute-sanitizer (detected once, from the library the tool injects:
+//   detail::compute_sanitizer_attached), a vm_pool_resource over a real device with no
+//   upstream_adaptor takes its pool's chunks and its large blocks from cudaMalloc
+//   (device_resource) instead of its vm_resource, and the pool annotates them as
+//   pool_resource's do. Why: the tool refuses every NVTX annotation of virtual memory (each
+//   form probed is listed in detail/nvtx.hpp) and sees a mapped range as one allocation, so a
+//   kernel writing past a block, or reading one after it went back, would be reported by
+//   nobody. With cudaMalloc underneath, memcheck reports both as it does for cudaMalloc'd
+//   memory (tests/gpu/sanitizer: oob-vm_pool, uaf-vm_pool, and the same for large blocks). What
+//   this costs under the tool: freed memory is not recycled across handles (the device may
+//   run out where the vm_pool would not), a large block's alignment is at most 256 bytes,
+//   vm_stats() shows an empty vm_resource, and uses_plain_memory() says so.
+//   CUDAMEM_VM_UNDER_SANITIZER=vmm keeps virtual memory under the tool, unchecked.
 #pragma once
 
+#include <cudamem/detail/nvtx.hpp>
 #include <cudamem/detail/spare_nodes.hpp>
 #include <cudamem/detail/vm/driver_mapping.hpp>
 #include <cudamem/device.hpp>
+#include <cudamem/device_resource.hpp>
 #include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
@@ -159,7 +174,10 @@ class vm_pool_resource final : public memory_resource {
       : memory_resource(memory_kind::device, layer ? layer->device() : -1),
         vm_(std::move(layer), static_cast<const vm_resource_options&>(options)),
         adaptor_(make_adaptor(vm_, options.upstream_adaptor)),
-        source_(adaptor_ ? adaptor_.get() : &vm_),
+        plain_(plain_memory_under_sanitizer(vm_, adaptor_ != nullptr)),
+        source_(adaptor_  ? adaptor_.get()
+                : plain_  ? static_cast<memory_resource*>(plain_.get())
+                          : static_cast<memory_resource*>(&vm_)),
         pool_(*source_, options.pool),
         large_(vm_.handle_bytes()) {}
 
@@ -194,6 +212,9 @@ class vm_pool_resource final : public memory_resource {
   [[nodiscard]] vm_resource& upstream_vm() noexcept { return vm_; }
   /// What options.upstream_adaptor made, or nullptr when it was empty.
   [[nodiscard]] memory_resource* upstream_adaptor() const noexcept { return adaptor_.get(); }
+  /// Whether its memory is plain cudaMalloc'd memory rather than virtual memory: true while
+  /// compute-sanitizer is attached (see the contract).
+  [[nodiscard]] bool uses_plain_memory() const noexcept { return plain_ != nullptr; }
   /// The mapping layer (tests inspect the simulated one).
   [[nodiscard]] detail::vm_mapping_layer& mapping_layer() const noexcept {
     return vm_.mapping_layer();
@@ -250,7 +271,7 @@ class vm_pool_resource final : public memory_resource {
   /// the upstream cannot supply it, the pool gives back its wholly free chunks first.
   void* allocate_large(std::size_t bytes, std::size_t alignment, const stream_view* stream) {
     const auto ask = [&] {
-      const detail::discarded_report_scope discarded{vm_};  // reported from here, if at all
+      const detail::discarded_report_scope discarded{*source_};  // reported from here, if at all
       return stream != nullptr ? allocate_checked(*source_, bytes, alignment, *stream)
                                : allocate_checked(*source_, bytes, alignment);
     };
@@ -337,6 +358,18 @@ class vm_pool_resource final : public memory_resource {
            "long-lived blocks, or allocate the largest buffers first.";
   }
 
+  /// Under compute-sanitizer, with no adaptor of the caller's, over the real driver: plain
+  /// device memory for the pool's chunks and the large blocks (see the contract); else none.
+  static std::unique_ptr<device_resource> plain_memory_under_sanitizer(const vm_resource& vm,
+                                                                        bool has_adaptor) {
+    const bool real_device =
+        dynamic_cast<const detail::driver_vm_mapping*>(&vm.mapping_layer()) != nullptr;
+    if (has_adaptor || !real_device || !detail::compute_sanitizer_attached()) {
+      return nullptr;
+    }
+    return std::make_unique<device_resource>(vm.device());
+  }
+
   /// Calls the factory and checks that what it made leads to `vm`.
   static std::unique_ptr<memory_resource> make_adaptor(
       vm_resource& vm,
@@ -359,7 +392,8 @@ class vm_pool_resource final : public memory_resource {
 
   vm_resource vm_;
   std::unique_ptr<memory_resource> adaptor_;  ///< options.upstream_adaptor's, or none
-  memory_resource* source_;  ///< where chunks and large blocks come from: adaptor_ or vm_
+  std::unique_ptr<device_resource> plain_;    ///< under compute-sanitizer: cudaMalloc
+  memory_resource* source_;  ///< where chunks and large blocks come from: adaptor_, plain_, vm_
   pool_resource pool_;
   std::size_t large_;  ///< blocks of this many bytes or more are the upstream's (a handle)
   mutable std::mutex large_mutex_;  ///< guards the three below

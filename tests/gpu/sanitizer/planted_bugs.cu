@@ -4,10 +4,11 @@
 //
 //   planted_bugs MODE        prints "planted_bugs MODE: done" and exits 0 when it ran
 //
-// Modes (RESOURCE is cudamalloc, pool, arena (over device_resource) or vm_pool; vm_pool is not
-// annotated — compute-sanitizer refuses NVTX heaps in VMM-mapped memory — so only its
-// uninitialised read is reported, as for any fresh memory; pool1 and arena1 are a pool and an
-// arena over device 1's memory, allocated from, freed to and destroyed by this thread with
+// Modes (RESOURCE is cudamalloc, pool, arena (over device_resource), vm_pool (its small blocks)
+// or vm_pool_large (a block of a handle and more); a vm_pool under compute-sanitizer takes
+// plain device memory, since the tool refuses every annotation of virtual memory, so its bugs
+// are reported as cudaMalloc's, and its modes print which memory it had; pool1 and arena1 are
+// a pool and an arena over device 1's memory, allocated from, freed to and destroyed by this thread with
 // device 0 current — only the kernels run with device 1 current — and need two GPUs: with one
 // they print "SKIPPED: needs 2 GPUs" and exit 0):
 //   oob-RESOURCE      writes one element past block a, whose neighbour b in the same chunk is
@@ -118,6 +119,8 @@ struct source {
     }
     if (kind == "vm_pool" || kind == "vm_pool_large") {
       vm_pool = std::make_unique<cudamem::vm_pool_resource>(0);
+      std::printf("vm_pool memory: %s\n",
+                  vm_pool->uses_plain_memory() ? "plain (cudaMalloc)" : "virtual");
     }
   }
   [[nodiscard]] std::size_t block_bytes() const noexcept { return count * sizeof(float); }
