@@ -33,6 +33,7 @@
 #pragma once
 
 #include <cudamem/error.hpp>
+#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 

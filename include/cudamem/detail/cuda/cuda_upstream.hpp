@@ -7,6 +7,7 @@
 #include <cudamem/detail/cuda/quiet_device_scope.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
+#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 #include <cudamem/stream.hpp>
