@@ -74,13 +74,15 @@ def main():
 
     if "train" in parts:
         free = args.train_free_gib
-        print("training: coarse search (default allocator, 3 steps a batch)", flush=True)
-        coarse = run("train.py", "default", "search", "--start", 16, "--step", 16, "--steps", 3,
+        # 10 steps a batch see long sequences too; a batch that passed them may still fail in
+        # 50, so the fine search starts well below (at half): it must start on a batch that runs.
+        print("training: coarse search (default allocator, 10 steps a batch)", flush=True)
+        coarse = run("train.py", "default", "search", "--start", 16, "--step", 16, "--steps", 10,
                      "--free-gib", free)
         if coarse:
             estimate = int(number(coarse[0]))
             fine = max(2, estimate // 24)
-            start = max(fine, (estimate * 3 // 4) // fine * fine)
+            start = max(fine, (estimate // 2) // fine * fine)
             print("training: the largest batch running 50 steps, from %d by %d" % (start, fine),
                   flush=True)
             row = {}

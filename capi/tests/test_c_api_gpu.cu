@@ -127,7 +127,8 @@ TEST_CASE("c api gpu: record_stream holds a free back until the other stream is 
   CHECK(cudamem_allocator_destroy(id) == CUDAMEM_OK);
 }
 
-TEST_CASE("c api gpu: out of memory is the device's report, and the allocator goes on") {
+TEST_CASE("c api gpu: out of memory is the device's report, and the allocator goes on",
+          "[expected-api-error]") {
   const int id = make("resource=vm_pool, grow_ahead_bytes=0");
   std::size_t free = 0;
   std::size_t total = 0;
@@ -142,7 +143,8 @@ TEST_CASE("c api gpu: out of memory is the device's report, and the allocator go
   CHECK(cudamem_allocator_destroy(id) == CUDAMEM_OK);
 }
 
-TEST_CASE("c api gpu: PyTorch's entry points throw at a failed allocation") {
+TEST_CASE("c api gpu: PyTorch's entry points throw at a failed allocation",
+          "[expected-api-error]") {
   const int id = make("resource=pool, limit_bytes=64MiB");
   REQUIRE(id >= 1);
   REQUIRE(id <= 15);

@@ -130,7 +130,8 @@ cases() {
 shopt -s nullglob
 
 # --- Catch2 test binaries ----------------------------------------------------------------------
-for exe in "$build"/tests/gpu_*; do
+# The C API's GPU test lives beside its library (capi/tests).
+for exe in "$build"/tests/gpu_* "$build"/capi/tests/capi_gpu_*; do
   [[ -f $exe && -x $exe ]] || continue
   name=$(basename "$exe")
   listing=$("$exe" --list-test-names-only 2>&1)
