@@ -1,11 +1,12 @@
-// bench/pool.cu — pool_resource and arena_resource against their peers on the standard traces
-// of DESIGN.md, all in one run on one device: ns per operation (median of the reps) and the
-// ratio of each peer to the pool.
+// bench/pool.cu — pool_resource, vm_pool_resource and arena_resource against their peers on
+// the standard traces of DESIGN.md, all in one run on one device: ns per operation (median of
+// the reps) and the ratio of each peer to the pool.
 //
 //   ./run bench pool                   # on a GPU machine
-//   ./run bench pool --simulated       # no GPU: the pool and arena over a simulated device,
-//                                      # i.e. the host-side cost of their bookkeeping
-//   options: --reps N (default 7), --trace NAME (only that trace), --only-pool (no peers)
+//   ./run bench pool --simulated       # no GPU: the pool, vm_pool and arena over a simulated
+//                                      # device, i.e. the host-side cost of their bookkeeping
+//   options: --reps N (default 7), --trace NAME (only that trace), --only-pool (no peers),
+//            --only NAME (one of pool, vm_pool, arena: that row alone, for callgrind)
 //   bench/nvtx_cost.sh BUILD_DIR      # the pool with and without its NVTX annotations
 //                                      # (bench_pool_nvtx_off: -DCUDAMEM_NVTX=0), interleaved
 //
@@ -17,6 +18,9 @@
 // thread). Each allocator replays each trace once untimed (so every cache is warm: the steady
 // state), then `reps` timed runs; every block is freed at the end of each run, and each
 // allocator is destroyed (its cache emptied) before the next one starts.
+// vm_pool is vm_pool_resource with its default options (growth ahead on over a real device,
+// as a user gets it; off over the simulated one, which has no driver time to hide); its
+// blocks below 64 MiB come from its pool, the rest straight from its vm_resource.
 // The arena is measured where it fits: every allocation of the trace from one arena (frees are
 // no-ops), rewound after each run; a row is "-" when the trace's bytes exceed a quarter of the
 // device. With no GPU and no --simulated it prints one line and exits 69.
@@ -25,6 +29,7 @@
 #include <cudamem/pool_resource.hpp>
 #include <cudamem/simulated_resource.hpp>
 #include <cudamem/stream.hpp>
+#include <cudamem/vm_pool_resource.hpp>
 
 #include "peers.hpp"
 #include "traces.hpp"
@@ -116,6 +121,7 @@ struct options {
   int reps = 7;
   std::string only;
   bool only_pool = false;  ///< --only-pool: no peers (the NVTX on/off comparison)
+  std::string only_row;    ///< --only NAME: that row alone (pool, vm_pool or arena)
 };
 
 options parse(int argc, char** argv) {
@@ -130,9 +136,12 @@ options parse(int argc, char** argv) {
       o.only = argv[++i];
     } else if (a == "--only-pool") {
       o.only_pool = true;
+    } else if (a == "--only" && i + 1 < argc) {
+      o.only_row = argv[++i];
+      o.only_pool = true;
     } else {
-      std::fprintf(stderr,
-                   "usage: bench_pool [--simulated] [--reps N] [--trace NAME] [--only-pool]\n");
+      std::fprintf(stderr, "usage: bench_pool [--simulated] [--reps N] [--trace NAME] "
+                           "[--only-pool] [--only pool|vm_pool|arena]\n");
       std::exit(2);
     }
   }
@@ -191,9 +200,11 @@ int main(int argc, char** argv) {
   static_cast<void>(cudaGetLastError());
 
   const std::vector<std::string> names =
-      opt.simulated || opt.only_pool ? std::vector<std::string>{"pool", "arena"}
-                    : std::vector<std::string>{"pool", "arena", "cudaMalloc", "cudaMallocAsync",
-                                               "CUB", "thrust"};
+      opt.simulated || opt.only_pool
+          ? std::vector<std::string>{"pool", "vm_pool", "arena"}
+          : std::vector<std::string>{"pool", "vm_pool", "arena", "cudaMalloc", "cudaMallocAsync",
+                                     "CUB", "thrust"};
+  const auto wanted = [&](const char* row) { return opt.only_row.empty() || opt.only_row == row; };
   std::size_t device_free = 0;
   std::size_t device_total = 0;
   if (opt.simulated) {
@@ -233,7 +244,7 @@ int main(int argc, char** argv) {
     auto stream_of = [&](std::size_t i) { return streams[i]; };
 
     // --- cudamem pool ---
-    {
+    if (wanted("pool")) {
       std::unique_ptr<cudamem::memory_resource> upstream;
       if (opt.simulated) {
         upstream = std::make_unique<cudamem::simulated_resource>(cudamem::simulated_options{
@@ -246,9 +257,24 @@ int main(int argc, char** argv) {
         return timed_replay(traces, [&](std::size_t i) { return resource_worker{&pool, stream_of(i)}; });
       });
     }
+    // --- cudamem vm_pool ---
+    if (wanted("vm_pool")) {
+      std::unique_ptr<cudamem::vm_pool_resource> vm;
+      if (opt.simulated) {
+        vm = std::make_unique<cudamem::vm_pool_resource>(
+            std::make_unique<cudamem::detail::simulated_vm_mapping>(
+                cudamem::detail::simulated_vm_options{.capacity = std::size_t{80} << 30}));
+      } else {
+        vm = std::make_unique<cudamem::vm_pool_resource>(0);
+      }
+      results["vm_pool"] = median_ns_per_op(opt.reps, [&] {
+        return timed_replay(traces,
+                            [&](std::size_t i) { return resource_worker{vm.get(), stream_of(i)}; });
+      });
+    }
     // --- cudamem arena (allocation cost; where it fits) ---
     const std::size_t arena_bytes = allocated_bytes(traces);
-    if (!multi && (opt.simulated || arena_bytes < device_free / 4)) {
+    if (wanted("arena") && !multi && (opt.simulated || arena_bytes < device_free / 4)) {
       std::unique_ptr<cudamem::memory_resource> upstream;
       if (opt.simulated) {
         upstream = std::make_unique<cudamem::simulated_resource>(cudamem::simulated_options{

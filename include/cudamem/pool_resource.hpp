@@ -122,6 +122,14 @@ struct pool_options {
   /// larger miss the cache more often (random_256B-4MiB: 196 instructions per operation with
   /// 64 MiB, 168 with 1 GiB).
   std::size_t cache_bytes = std::size_t{1} << 30;
+  /// The cache never holds more than the shard has in use: a free that finds it holding more
+  /// flushes it first (merging its blocks into the heap), then caches the block it frees. So
+  /// once most of what was live has been freed — a run of work ended — the next requests are
+  /// cut from merged memory, as in a fresh pool, rather than handed freed blocks from all over
+  /// the chunks; a block freed and taken again at once (a loop) still hits. Off by default:
+  /// a pool keeps its chunks, and where its blocks land costs it nothing. vm_pool turns it on
+  /// (vm_pool_chunking): there, chunks left wholly free are memory for anyone.
+  bool cache_follows_use = false;
 };
 
 /// A sharded TLSF pool over any upstream resource; see the contract above.
@@ -337,8 +345,8 @@ class pool_resource final : public memory_resource, private detail::stream_liste
     const bool size_matches = size <= b->size && b->size - size <= size / 8;
     const bool tracked = policy_.tracks_streams && stream != nullptr;
     detail::stream_record* rec = tracked ? sh.ledger.last_if(stream->get()) : nullptr;
-    if (size_matches && policy_.cacheable(b->size, sh.cached.bytes()) && (!tracked || rec))
-        [[likely]] {
+    if (size_matches && policy_.cacheable(b->size, sh.cached.bytes(), sh.used - b->size) &&
+        (!tracked || rec)) [[likely]] {
       if (tracked) {
         ++rec->frees;
         b->tag.add(rec, rec->frees);

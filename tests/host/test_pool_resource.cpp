@@ -728,3 +728,53 @@ TEST_CASE("pool cache: its byte bound holds") {
   CHECK(s.free_blocks == 3);
   CHECK(s.largest_free_block == 3 * MiB);
 }
+
+TEST_CASE("pool cache: cache_follows_use flushes a cache that outgrew what is in use") {
+  simulated_resource device;
+  pool_resource pool{device, {.small_block_limit = 1 * MiB, .small_chunk_size = 4 * MiB,
+                              .shards = 1, .cache_follows_use = true}};
+  // Eight blocks fill the chunk; freed in turn, the cache holds at most what is still in use.
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) {
+    blocks.push_back(pool.allocate(512 * 1024));
+  }
+  REQUIRE(pool.chunk_count() == 1);
+  // Freed in order. The fifth free finds 4 blocks cached and 3 in use: the four merge into
+  // one free block and the fifth is cached; the seventh finds 2 cached, 1 in use: they merge
+  // into it; the last finds 1 cached, 0 in use. Free blocks: cached + the heap's merged one.
+  const std::size_t free_blocks_after[8] = {1, 2, 3, 4, 2, 3, 2, 2};
+  for (std::size_t i = 0; i < 8; ++i) {
+    pool.deallocate(blocks[i], 512 * 1024);
+    CAPTURE(i);
+    CHECK(pool.stats().free_blocks == free_blocks_after[i]);
+  }
+  // All freed: the cache holds only the last block; the rest merged into one free block.
+  const resource_stats s = pool.stats();
+  CHECK(s.used_bytes == 0);
+  CHECK(s.free_blocks == 2);
+  CHECK(s.largest_free_block == 4 * MiB - 512 * 1024);
+  // A block freed and taken again at once (a loop) still comes from the cache, whole.
+  for (int i = 0; i < 3; ++i) {
+    void* again = pool.allocate(512 * 1024);
+    CHECK(again == blocks[7]);
+    pool.deallocate(again, 512 * 1024);
+    CHECK(pool.stats().free_blocks == 2);
+  }
+  // Without the option, the same frees leave all eight cached (the byte bound allows them).
+  pool_resource keeps{device, {.small_block_limit = 1 * MiB, .small_chunk_size = 4 * MiB,
+                               .shards = 1}};
+  blocks.clear();
+  for (int i = 0; i < 8; ++i) {
+    blocks.push_back(keeps.allocate(512 * 1024));
+  }
+  for (void* p : blocks) {
+    keeps.deallocate(p, 512 * 1024);
+  }
+  CHECK(keeps.stats().free_blocks == 8);
+}
+
+TEST_CASE("pool cache: cache_follows_use keeps the random model test's invariants") {
+  simulated_resource device;
+  pool_resource pool{device, {.cache_follows_use = true}};
+  random_model_run(pool, false, 16 * MiB, 16, 5000);
+}

@@ -22,7 +22,8 @@
 // - the front-end cache (detail/pool/block_cache.hpp): freed blocks up to `cache_limit` kept
 //   whole, at most `cache_bytes` of them, tagged with their stream like any free block. A hit
 //   costs a lock, a few loads and no heap work. Cached blocks count as free; they merge with
-//   their neighbours only when flushed;
+//   their neighbours only when flushed (with pool_options::cache_follows_use, also at a free
+//   that finds more cached than in use);
 // - the map from address to block of everything handed out or cached (the double-free check);
 // - bytes in use and their peak;
 // - its stream ledger (detail/pool/stream_ledger.hpp).
@@ -81,6 +82,9 @@ struct pool_policy {
   std::size_t small_chunk_size = 0;
   std::size_t cache_limit = 0;  ///< largest cached block (a class size); 0: no cache
   std::size_t cache_bytes = 0;  ///< most bytes one shard caches
+  /// How many bytes more than the shard has in use its cache may hold before a free flushes
+  /// it (pool_options::cache_follows_use: 0; else more than any shard can hold: never).
+  std::size_t cache_over_use = 0;
   bool tracks_streams = false;  ///< false: host or simulated memory, streams are ignored
   bool annotates = false;       ///< chunks and blocks are told to an NVTX tool (detail/nvtx.hpp)
   int device = -1;              ///< for device-wide synchronisation
@@ -96,6 +100,7 @@ struct pool_policy {
     p.small_chunk_size = o.small_chunk_size;
     p.cache_limit = o.cache_bytes > 0 ? std::min(o.cache_block_limit, std::size_t{1} << 50) : 0;
     p.cache_bytes = o.cache_bytes;
+    p.cache_over_use = o.cache_follows_use ? 0 : std::numeric_limits<std::size_t>::max() / 2;
     p.tracks_streams = upstream.kind() != memory_kind::host &&
                        !(upstream.kind() == memory_kind::device && upstream.device() < 0);
     p.device = upstream.device();
@@ -116,9 +121,18 @@ struct pool_policy {
     return size <= small_block_limit ? small_tier : large_tier;
   }
 
-  /// Whether a free block of `size` bytes goes to a cache that holds `cached` bytes.
-  [[nodiscard]] bool cacheable(std::size_t size, std::size_t cached) const noexcept {
-    return size <= cache_limit && cached + size <= cache_bytes;
+  /// Whether a free block of `size` bytes goes straight to a cache that holds `cached` bytes,
+  /// in a shard left with `in_use` bytes handed out (the cache may have to be flushed first:
+  /// `cache_outgrew`).
+  [[nodiscard]] bool cacheable(std::size_t size, std::size_t cached,
+                               std::size_t in_use) const noexcept {
+    return size <= cache_limit && cached + size <= cache_bytes &&
+           cached <= in_use + cache_over_use;
+  }
+  /// Whether a cache of `cached` bytes, in a shard with `in_use` bytes handed out, is to be
+  /// flushed before the next block goes in (pool_options::cache_follows_use).
+  [[nodiscard]] bool cache_outgrew(std::size_t cached, std::size_t in_use) const noexcept {
+    return cached > in_use + cache_over_use;
   }
 
   /// The largest free block a request may cut. Requests of at least `growth_step` (the ones
@@ -224,7 +238,10 @@ struct alignas(64) pool_shard {
     if (policy.tracks_streams && stream != nullptr) {
       ledger.note_free(b->tag, *stream, policy.device);
     }
-    if (policy.cacheable(b->size, cached.bytes())) {
+    if (policy.cache_outgrew(cached.bytes(), used)) {
+      flush_cache();  // most of what was live is free: a new phase starts from merged memory
+    }
+    if (policy.cacheable(b->size, cached.bytes(), used)) {
       cached.push(b);
       return;
     }
