@@ -14,12 +14,18 @@ function(cudamem_project_target target)
     target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-std=c++20>)
   endif()
   target_link_libraries(${target} PRIVATE cudamem::cudamem)
-  # Warnings are errors in our own builds. Host code gets -Wpedantic; code nvcc compiles gets
-  # the same through -Xcompiler except -Wpedantic, which fires on nvcc's generated stubs
-  # (line directives, empty translation-unit pieces) that we do not control.
+  # Warnings are on in our own builds, and errors with CUDAMEM_WARNINGS_AS_ERRORS (CI and
+  # developers). Host code gets -Wpedantic; code nvcc compiles gets the same through -Xcompiler
+  # except -Wpedantic, which fires on nvcc's generated stubs (line directives, empty
+  # translation-unit pieces) that we do not control.
   target_compile_options(${target} PRIVATE
-    $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Werror>
-    $<$<COMPILE_LANGUAGE:CUDA>:-Werror=all-warnings -Xcompiler=-Wall,-Wextra,-Werror>)
+    $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic>
+    $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra>)
+  if(CUDAMEM_WARNINGS_AS_ERRORS)
+    target_compile_options(${target} PRIVATE
+      $<$<COMPILE_LANGUAGE:CXX>:-Werror>
+      $<$<COMPILE_LANGUAGE:CUDA>:-Werror=all-warnings -Xcompiler=-Werror>)
+  endif()
   if(CUDAMEM_SANITIZE)
     target_compile_options(${target} PRIVATE
       $<$<COMPILE_LANGUAGE:CXX>:-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all>)

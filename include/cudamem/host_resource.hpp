@@ -15,6 +15,7 @@
 // - Counts bytes in use and the peak, so tests can see that everything came back.
 #pragma once
 
+#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 

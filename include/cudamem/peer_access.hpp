@@ -239,7 +239,12 @@ class peer_access {
   }
 
  private:
-  void end() noexcept {
+  // Out of line on purpose. Inlined into the destructor of a std::optional<peer_access> (or any
+  // holder whose engaged flag it must trust), g++ 12 at -O1..-O3 cannot tie this read of holds_
+  // to the holder's flag and warns that holds_ "may be used uninitialized" (a false positive,
+  // -Wmaybe-uninitialized), which fails a user's -Werror build. A call here costs nothing: a
+  // guard ends rarely, and ending takes a lock.
+  [[gnu::noinline]] void end() noexcept {
     if (holds_) {
       detail::peer_access_registry::instance().release(accessor_, owner_);
       holds_ = false;

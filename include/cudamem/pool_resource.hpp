@@ -86,6 +86,7 @@
 #include <cudamem/detail/pool/chunk_set.hpp>
 #include <cudamem/detail/pool/pool_shard.hpp>
 #include <cudamem/error.hpp>
+#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 #include <cudamem/stream.hpp>

@@ -14,6 +14,11 @@
 //
 //   cudamem::vm_pool_resource shared{0, {.peers = {1}}}; // device 1 may read and write it too
 //
+//   cudamem::vm_pool_options o;                          // chunks and large blocks pass
+//   o.upstream_adaptor = [](cudamem::vm_resource& vm) {  // through an adaptor of your own
+//     return std::make_unique<cudamem::statistics_adaptor>(vm);  // (nccl.hpp: registration)
+//   };
+//
 // What it is: a `pool_resource` over a `vm_resource`, owned together, each serving what it is
 // best at.
 // - Blocks of a handle (64 MiB) or more go straight to the upstream (vm_resource.hpp), which
@@ -76,11 +81,33 @@
 //   physical_limit: that limit) is this resource's own.
 // - stats(): reserved and used bytes are the pool's chunks plus the large blocks (the peak is
 //   the sum of both peaks, an upper bound); free blocks are the pool's.
+// - `upstream_adaptor` (optional): called once by the constructor with the vm_resource; what
+//   it returns sits between the vm_resource and everything taken from it — the pool's chunks
+//   and the large blocks — so it sees each as it is made and as it goes back (nccl.hpp
+//   registers them with a communicator). Owned by the vm_pool_resource: destroyed after the
+//   pool, before the vm_resource. Its chain of upstreams must lead to that vm_resource, else
+//   `std::invalid_argument` (so does a factory that returns nothing). `upstream()` is then
+//   the adaptor, and reports show it between this resource and the vm_resource.
+// - Under compute-sanitizer (detected once, from the library the tool injects:
+//   detail::compute_sanitizer_attached), a vm_pool_resource over a real device with no
+//   upstream_adaptor takes its pool's chunks and its large blocks from cudaMalloc
+//   (device_resource) instead of its vm_resource, and the pool annotates them as
+//   pool_resource's do. Why: the tool refuses every NVTX annotation of virtual memory (each
+//   form probed is listed in detail/nvtx.hpp) and sees a mapped range as one allocation, so a
+//   kernel writing past a block, or reading one after it went back, would be reported by
+//   nobody. With cudaMalloc underneath, memcheck reports both as it does for cudaMalloc'd
+//   memory (tests/gpu/sanitizer: oob-vm_pool, uaf-vm_pool, and the same for large blocks). What
+//   this costs under the tool: freed memory is not recycled across handles (the device may
+//   run out where the vm_pool would not), a large block's alignment is at most 256 bytes,
+//   vm_stats() shows an empty vm_resource, and uses_plain_memory() says so.
+//   CUDAMEM_VM_UNDER_SANITIZER=vmm keeps virtual memory under the tool, unchecked.
 #pragma once
 
+#include <cudamem/detail/nvtx.hpp>
 #include <cudamem/detail/spare_nodes.hpp>
 #include <cudamem/detail/vm/driver_mapping.hpp>
 #include <cudamem/device.hpp>
+#include <cudamem/device_resource.hpp>
 #include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
@@ -90,10 +117,12 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <source_location>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -122,6 +151,9 @@ struct vm_pool_options : vm_resource_options {
   /// The pool's options (see vm_pool_chunking). Keep chunk sizes multiples of handle_bytes,
   /// so a wholly free chunk is whole handles the upstream can recycle.
   pool_options pool = vm_pool_chunking();
+  /// Optional: makes the adaptor that the pool's chunks and the large blocks pass through,
+  /// over the vm_resource it is given (see the contract). Empty: none.
+  std::function<std::unique_ptr<memory_resource>(vm_resource&)> upstream_adaptor;
 };
 
 /// What a vm_pool_resource holds: the upstream's virtual-memory figures, the pool's blocks.
@@ -149,12 +181,17 @@ class vm_pool_resource final : public memory_resource {
                             vm_pool_options options = {})
       : memory_resource(memory_kind::device, layer ? layer->device() : -1),
         vm_(std::move(layer), static_cast<const vm_resource_options&>(options)),
-        pool_(vm_, options.pool),
+        adaptor_(make_adaptor(vm_, options.upstream_adaptor)),
+        plain_(plain_memory_under_sanitizer(vm_, adaptor_ != nullptr)),
+        source_(adaptor_  ? adaptor_.get()
+                : plain_  ? static_cast<memory_resource*>(plain_.get())
+                          : static_cast<memory_resource*>(&vm_)),
+        pool_(*source_, options.pool),
         large_(vm_.handle_bytes()) {}
 
   vm_pool_resource(const vm_pool_resource&) = delete;
   vm_pool_resource& operator=(const vm_pool_resource&) = delete;
-  ~vm_pool_resource() override = default;  // the pool goes first, then the upstream
+  ~vm_pool_resource() override = default;  // the pool goes first, then the adaptor, the upstream
 
   /// Gives the pool's wholly free chunks back to the upstream, then the upstream's wholly free
   /// handles back to the driver; returns the physical bytes given back.
@@ -186,6 +223,11 @@ class vm_pool_resource final : public memory_resource {
 
   [[nodiscard]] pool_resource& pool() noexcept { return pool_; }
   [[nodiscard]] vm_resource& upstream_vm() noexcept { return vm_; }
+  /// What options.upstream_adaptor made, or nullptr when it was empty.
+  [[nodiscard]] memory_resource* upstream_adaptor() const noexcept { return adaptor_.get(); }
+  /// Whether its memory is plain cudaMalloc'd memory rather than virtual memory: true while
+  /// compute-sanitizer is attached (see the contract).
+  [[nodiscard]] bool uses_plain_memory() const noexcept { return plain_ != nullptr; }
   /// The mapping layer (tests inspect the simulated one).
   [[nodiscard]] detail::vm_mapping_layer& mapping_layer() const noexcept {
     return vm_.mapping_layer();
@@ -222,7 +264,7 @@ class vm_pool_resource final : public memory_resource {
                      stream_view stream) noexcept override {
     if (bytes >= large_) {
       if (forget_large(p)) {
-        vm_.deallocate(p, bytes, alignment, stream);
+        source_->deallocate(p, bytes, alignment, stream);
       }
       return;
     }
@@ -231,7 +273,7 @@ class vm_pool_resource final : public memory_resource {
   void do_deallocate_sync(void* p, std::size_t bytes, std::size_t alignment) noexcept override {
     if (bytes >= large_) {
       if (forget_large(p)) {
-        vm_.deallocate(p, bytes, alignment);
+        source_->deallocate(p, bytes, alignment);
       }
       return;
     }
@@ -242,9 +284,9 @@ class vm_pool_resource final : public memory_resource {
   /// the upstream cannot supply it, the pool gives back its wholly free chunks first.
   void* allocate_large(std::size_t bytes, std::size_t alignment, const stream_view* stream) {
     const auto ask = [&] {
-      const detail::discarded_report_scope discarded{vm_};  // reported from here, if at all
-      return stream != nullptr ? allocate_checked(vm_, bytes, alignment, *stream)
-                               : allocate_checked(vm_, bytes, alignment);
+      const detail::discarded_report_scope discarded{*source_};  // reported from here, if at all
+      return stream != nullptr ? allocate_checked(*source_, bytes, alignment, *stream)
+                               : allocate_checked(*source_, bytes, alignment);
     };
     void* p = nullptr;
     try {
@@ -265,7 +307,7 @@ class vm_pool_resource final : public memory_resource {
       large_used_ += bytes;
       large_peak_ = std::max(large_peak_, large_used_);
     } catch (...) {  // no host memory to record it: give it back, nothing happened
-      vm_.deallocate(p, bytes, alignment);
+      source_->deallocate(p, bytes, alignment);
       throw;
     }
     return p;
@@ -301,7 +343,7 @@ class vm_pool_resource final : public memory_resource {
     return s;
   }
   memory_resource* do_upstream() const noexcept override {
-    return const_cast<vm_resource*>(&vm_);  // the chain a report walks: this, then the upstream
+    return source_;  // the chain a report walks: this, (the adaptor,) the vm_resource
   }
   // Advice on its own failures (memory_report asks): what release() and the options can do.
   std::string do_oom_hint(const memory_report& report, std::size_t /*position*/) const override {
@@ -329,7 +371,42 @@ class vm_pool_resource final : public memory_resource {
            "long-lived blocks, or allocate the largest buffers first.";
   }
 
+  /// Under compute-sanitizer, with no adaptor of the caller's, over the real driver: plain
+  /// device memory for the pool's chunks and the large blocks (see the contract); else none.
+  static std::unique_ptr<device_resource> plain_memory_under_sanitizer(const vm_resource& vm,
+                                                                        bool has_adaptor) {
+    const bool real_device =
+        dynamic_cast<const detail::driver_vm_mapping*>(&vm.mapping_layer()) != nullptr;
+    if (has_adaptor || !real_device || !detail::compute_sanitizer_attached()) {
+      return nullptr;
+    }
+    return std::make_unique<device_resource>(vm.device());
+  }
+
+  /// Calls the factory and checks that what it made leads to `vm`.
+  static std::unique_ptr<memory_resource> make_adaptor(
+      vm_resource& vm,
+      const std::function<std::unique_ptr<memory_resource>(vm_resource&)>& factory) {
+    if (!factory) {
+      return nullptr;
+    }
+    std::unique_ptr<memory_resource> adaptor = factory(vm);
+    if (!adaptor) {
+      throw std::invalid_argument("cudamem: vm_pool_options::upstream_adaptor made no resource");
+    }
+    for (const memory_resource* r = adaptor.get(); r != &vm; r = r->upstream()) {
+      if (r == nullptr) {
+        throw std::invalid_argument("cudamem: vm_pool_options::upstream_adaptor made a resource "
+                                    "whose upstreams do not lead to the vm_pool's vm_resource");
+      }
+    }
+    return adaptor;
+  }
+
   vm_resource vm_;
+  std::unique_ptr<memory_resource> adaptor_;  ///< options.upstream_adaptor's, or none
+  std::unique_ptr<device_resource> plain_;    ///< under compute-sanitizer: cudaMalloc
+  memory_resource* source_;  ///< where chunks and large blocks come from: adaptor_, plain_, vm_
   pool_resource pool_;
   std::size_t large_;  ///< blocks of this many bytes or more are the upstream's (a handle)
   mutable std::mutex large_mutex_;  ///< guards the three below

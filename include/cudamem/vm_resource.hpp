@@ -121,6 +121,7 @@
 #include <cudamem/detail/vm/placement.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
+#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 

@@ -130,7 +130,8 @@ cases() {
 shopt -s nullglob
 
 # --- Catch2 test binaries ----------------------------------------------------------------------
-for exe in "$build"/tests/gpu_*; do
+# The C API's GPU test lives beside its library (capi/tests).
+for exe in "$build"/tests/gpu_* "$build"/capi/tests/capi_gpu_*; do
   [[ -f $exe && -x $exe ]] || continue
   name=$(basename "$exe")
   listing=$("$exe" --list-test-names-only 2>&1)
@@ -194,15 +195,18 @@ example_expects() {
     leak_on_exception | leaked_context) echo leak ;;   # the raw way leaks device memory
     fragmentation | explain_oom) echo api-error ;;      # raw cudaMalloc / a pool run out
     in_kernel_heap) echo api-error ;;  # restoring a heap size CUDA has fixed: refused, on purpose
+    nccl_allreduce) echo api-error ;;  # ncclMemAlloc tries fabric handles first: refused without IMEX
     *) echo none ;;
   esac
 }
 # memcheck_only NAME: examples whose demonstration the other tools change, like [free-memory]:
 # two measure the device's free memory; stream_ordered shows a race between streams, which
 # initcheck's serialised kernels never let happen (its raw half then proves nothing and fails).
+# nccl_allreduce: its kernels are NCCL's (ranks synchronise through flags in memory), not
+# cudamem's; memcheck checks what the example and its pools do with memory.
 memcheck_only() {
   case $1 in
-    leak_on_exception | leaked_context | stream_ordered) return 0 ;;
+    leak_on_exception | leaked_context | stream_ordered | nccl_allreduce) return 0 ;;
     *) return 1 ;;
   esac
 }

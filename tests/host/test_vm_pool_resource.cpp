@@ -1,6 +1,7 @@
 // vm_pool_resource (a pool_resource over a vm_resource) over the simulated mapping layer (no
 // GPU): the composition's reports, swiss cheese and the bench's mixed trace on an 80 GiB
 // device, the physical limit, destruction, bad input, and a randomised run against a model.
+#include <cudamem/statistics_adaptor.hpp>
 #include <cudamem/vm_pool_resource.hpp>
 
 #include "../../bench/support/fragmentation.hpp"
@@ -406,6 +407,73 @@ TEST_CASE("vm_pool: bad input") {
   CHECK(s.pool.stats().used_bytes == 0);
   CHECK(s.pool.vm_stats().large_used_bytes == 0);
   CHECK(s.layer.violations == 0);
+}
+
+TEST_CASE("vm_pool: an upstream_adaptor sees every chunk and large block, both ways") {
+  statistics_adaptor* seen = nullptr;
+  vm_pool_options options;
+  options.upstream_adaptor = [&seen](vm_resource& vm) {
+    auto made = std::make_unique<statistics_adaptor>(vm);
+    seen = made.get();
+    return made;
+  };
+  sim_pool s{8 * GiB, options};
+  REQUIRE(seen != nullptr);
+  CHECK(s.pool.upstream_adaptor() == seen);
+  CHECK(s.pool.upstream() == seen);  // reports walk this, the adaptor, the vm_resource
+  CHECK(s.pool.pool().upstream() == seen);
+  CHECK(seen->upstream() == &s.pool.upstream_vm());
+  void* small = s.pool.allocate(MiB);
+  void* medium = s.pool.allocate(20 * MiB);
+  void* large = s.pool.allocate(100 * MiB, 256, stream_view{});
+  CHECK(seen->counters().allocations == 3);  // a small chunk, a medium chunk, the large block
+  CHECK(seen->counters().current_bytes == 64 * MiB + 64 * MiB + 100 * MiB);
+  s.pool.deallocate(large, 100 * MiB, 256, stream_view{});
+  CHECK(seen->counters().current_bytes == 128 * MiB);
+  s.pool.deallocate(small, MiB);
+  s.pool.deallocate(medium, 20 * MiB);
+  CHECK(seen->counters().current_bytes == 128 * MiB);  // the pool keeps its chunks ...
+  s.pool.release();
+  CHECK(seen->counters().current_bytes == 0);          // ... until release()
+  CHECK(seen->counters().deallocations == 3);
+  void* full = s.pool.allocate(7 * GiB);
+  try {
+    static_cast<void>(s.pool.allocate(2 * GiB));
+    FAIL("expected out_of_memory");
+  } catch (const out_of_memory& e) {
+    REQUIRE(e.report().chain.size() == 3);
+    CHECK(e.report().chain[1].name == "statistics_adaptor");
+    CHECK(e.report().chain[2].name == "vm_resource");
+  }
+  s.pool.deallocate(full, 7 * GiB);
+  CHECK(s.layer.violations == 0);
+}
+
+TEST_CASE("vm_pool: an upstream_adaptor that does not lead to the vm_resource is refused") {
+  vm_pool_options none;
+  none.upstream_adaptor = [](vm_resource&) { return std::unique_ptr<memory_resource>{}; };
+  CHECK_THROWS_WITH(vm_pool_resource(std::make_unique<simulated_vm_mapping>(), none),
+                    Catch::Contains("made no resource"));
+  vm_resource elsewhere{std::make_unique<simulated_vm_mapping>()};
+  vm_pool_options unrelated;
+  unrelated.upstream_adaptor = [&elsewhere](vm_resource&) -> std::unique_ptr<memory_resource> {
+    return std::make_unique<statistics_adaptor>(elsewhere);
+  };
+  CHECK_THROWS_WITH(vm_pool_resource(std::make_unique<simulated_vm_mapping>(), unrelated),
+                    Catch::Contains("do not lead to the vm_pool's vm_resource"));
+  vm_pool_options throwing;
+  throwing.upstream_adaptor = [](vm_resource&) -> std::unique_ptr<memory_resource> {
+    throw std::runtime_error("factory failed");
+  };
+  detail::simulated_vm_final_state final_state;
+  CHECK_THROWS_WITH(
+      vm_pool_resource(std::make_unique<simulated_vm_mapping>(simulated_vm_options{
+                           .final_state = &final_state}),
+                       throwing),
+      "factory failed");
+  CHECK(final_state.destroyed);  // the vm_resource made before it is gone, and left nothing
+  CHECK(final_state.mappings == 0);
+  CHECK(final_state.reservations == 0);
 }
 
 TEST_CASE("vm_pool: a small block freed with a large size never frees the pool's chunk") {

@@ -4,10 +4,11 @@
 //
 //   planted_bugs MODE        prints "planted_bugs MODE: done" and exits 0 when it ran
 //
-// Modes (RESOURCE is cudamalloc, pool, arena (over device_resource) or vm_pool; vm_pool is not
-// annotated — compute-sanitizer refuses NVTX heaps in VMM-mapped memory — so only its
-// uninitialised read is reported, as for any fresh memory; pool1 and arena1 are a pool and an
-// arena over device 1's memory, allocated from, freed to and destroyed by this thread with
+// Modes (RESOURCE is cudamalloc, pool, arena (over device_resource), vm_pool (its small blocks)
+// or vm_pool_large (a block of a handle and more); a vm_pool under compute-sanitizer takes
+// plain device memory, since the tool refuses every annotation of virtual memory, so its bugs
+// are reported as cudaMalloc's, and its modes print which memory it had; pool1 and arena1 are
+// a pool and an arena over device 1's memory, allocated from, freed to and destroyed by this thread with
 // device 0 current — only the kernels run with device 1 current — and need two GPUs: with one
 // they print "SKIPPED: needs 2 GPUs" and exit 0):
 //   oob-RESOURCE      writes one element past block a, whose neighbour b in the same chunk is
@@ -41,6 +42,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -91,11 +93,15 @@ struct source {
   std::unique_ptr<cudamem::pool_resource> pool;
   std::unique_ptr<cudamem::arena_resource> arena;
   std::unique_ptr<cudamem::vm_pool_resource> vm_pool;
+  /// Floats per block: n, or for vm_pool_large a block of a whole handle and 4000 bytes more,
+  /// which the vm_pool hands out from its upstream (blocks of a handle or more), not its pool.
+  std::size_t count;
 
   explicit source(std::string k)
       : kind(std::move(k)),
         memory_device(device_of_kind(kind)),
-        s(cudamem::stream_options{.device = memory_device}) {
+        s(cudamem::stream_options{.device = memory_device}),
+        count(kind == "vm_pool_large" ? (std::size_t{64} << 20) / sizeof(float) + n : n) {
     if (kind == "pool" || kind == "arena" || kind == "arena_over_pool") {
       device = std::make_unique<cudamem::device_resource>();
     }
@@ -111,10 +117,13 @@ struct source {
     if (kind == "arena_over_pool") {
       arena = std::make_unique<cudamem::arena_resource>(*pool);
     }
-    if (kind == "vm_pool") {
+    if (kind == "vm_pool" || kind == "vm_pool_large") {
       vm_pool = std::make_unique<cudamem::vm_pool_resource>(0);
+      std::printf("vm_pool memory: %s\n",
+                  vm_pool->uses_plain_memory() ? "plain (cudaMalloc)" : "virtual");
     }
   }
+  [[nodiscard]] std::size_t block_bytes() const noexcept { return count * sizeof(float); }
   cudamem::memory_resource* resource() {
     if (arena) return arena.get();
     if (pool) return pool.get();
@@ -143,13 +152,16 @@ struct source {
 
 /// a and b side by side (for a pool, in the same chunk), both live: a[n] is one past a.
 void out_of_bounds(source& src) {
+  const std::size_t bytes = src.block_bytes();
+  const std::size_t n = src.count;
   float* a = src.allocate(bytes);
   float* b = src.allocate(bytes);
   std::printf("a=%p b=%p (b - a = %td floats)\n", static_cast<void*>(a), static_cast<void*>(b),
               b - a);
   {
     const auto on = src.for_kernels();
-    fill<<<(n + 255) / 256, 256, 0, src.s.get()>>>(b, n, 1.0f);
+    fill<<<(std::min<std::size_t>(n, 1 << 20) + 255) / 256, 256, 0, src.s.get()>>>(
+        b, std::min<std::size_t>(n, 1 << 20), 1.0f);
     write_at<<<1, 1, 0, src.s.get()>>>(a, n, 2.0f);  // the bug: one past the end of a
     launched("write_at");
   }
@@ -160,6 +172,8 @@ void out_of_bounds(source& src) {
 }
 
 void use_after_free(source& src) {
+  const std::size_t bytes = src.block_bytes();
+  const std::size_t n = std::min<std::size_t>(src.count, 1000);  // what the kernels touch
   float* a = src.allocate(bytes);
   float* keep = src.allocate(bytes);  // keeps the chunk alive: the pool cannot return it
   {
@@ -180,6 +194,8 @@ void use_after_free(source& src) {
 }
 
 void uninitialised(source& src) {
+  const std::size_t bytes = src.block_bytes();
+  const std::size_t n = std::min<std::size_t>(src.count, 1000);  // what the kernel reads
   float* a = src.allocate(bytes);
   float* out = src.allocate(sizeof(float));
   {

@@ -9,6 +9,7 @@
 #include <cudamem/detail/held_ahead.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
+#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 #include <cudamem/stream.hpp>

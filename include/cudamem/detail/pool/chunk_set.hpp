@@ -30,6 +30,7 @@
 #include <cudamem/detail/nvtx.hpp>
 #include <cudamem/detail/pool/pool_shard.hpp>
 #include <cudamem/error.hpp>
+#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 
@@ -97,7 +98,7 @@ class chunk_set {
     void* p = nullptr;
     try {
       // The pool tries smaller chunks, a give-back, then reports from itself: the upstream's
-      // own report would be thrown away (out_of_memory.hpp).
+      // own report would be thrown away (memory_report.hpp).
       const discarded_report_scope discarded{*upstream_};
       p = upstream_->allocate(size, pool_policy::granule);
     } catch (const out_of_memory&) {

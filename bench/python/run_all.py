@@ -1,0 +1,115 @@
+"""Every PyTorch benchmark, every allocator, each run in a fresh process; one table at the end.
+
+    python3 bench/python/run_all.py [--only overhead,frag,train] [--frag-free-gib N]
+                                    [--train-free-gib N] [--seeds 1,2,3]
+
+Allocators: PyTorch's default caching allocator, the same with expandable_segments:True, and
+cudamem.torch.install() (vm_pool). The package is imported from ../../python; its library is
+found there (pip install) or through CUDAMEM_C_LIBRARY (a build tree).
+"""
+import argparse
+import os
+import subprocess
+import sys
+
+import common
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run(script, allocator, *arguments, timeout=900):
+    command = [sys.executable, os.path.join(HERE, script)] + [str(a) for a in arguments]
+    done = subprocess.run(command, env=common.environment_for(allocator), capture_output=True,
+                          text=True, timeout=timeout)
+    results = [line[len("RESULT "):] for line in done.stdout.splitlines()
+               if line.startswith("RESULT ")]
+    if done.returncode != 0 or not results:
+        sys.stderr.write("%s %s %s failed (%d):\n%s\n%s\n" % (script, allocator, arguments,
+                                                              done.returncode, done.stdout[-2000:],
+                                                              done.stderr[-3000:]))
+        return []
+    for r in results:
+        print("  " + r, flush=True)
+    return results
+
+
+def number(result, index=2):
+    return float(result.split()[index])
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--only", default="overhead,frag,train")
+    parser.add_argument("--frag-free-gib", type=float, default=0)
+    parser.add_argument("--train-free-gib", type=float, default=16)
+    parser.add_argument("--seeds", default="1,2,3")
+    args = parser.parse_args()
+    parts = args.only.split(",")
+    table = []
+
+    if "overhead" in parts:
+        print("torch.empty + free, ns per pair (median of 7 rounds of 100,000)", flush=True)
+        costs = {a: run("overhead.py", a) for a in common.ALLOCATORS}
+        for kind_index, kind in enumerate(("1MiB", "4KiB-16MiB")):
+            row = {a: number(costs[a][kind_index], 3) for a in common.ALLOCATORS if costs[a]}
+            table.append(("empty+free %s (ns)" % kind, row, "%.0f"))
+
+    if "frag" in parts:
+        print("fragmentation: live at the first OOM / free at start", flush=True)
+        for trace in ("mixed", "heavy"):
+            for seed in args.seeds.split(","):
+                row = {}
+                for a in common.ALLOCATORS:
+                    r = run("frag.py", a, "--trace", trace, "--seed", seed,
+                            "--free-gib", args.frag_free_gib)
+                    if r:
+                        row[a] = number(r[0])
+                table.append(("%s trace, seed %s (fraction)" % (trace, seed), row, "%.4f"))
+        row = {}
+        for a in common.ALLOCATORS:
+            r = run("frag.py", a, "--trace", "swiss", "--free-gib", args.frag_free_gib)
+            if r:
+                row[a] = number(r[0])
+        table.append(("swiss: 128 MiB in freed 64 MiB holes (fraction)", row, "%.4f"))
+
+    if "train" in parts:
+        free = args.train_free_gib
+        # 10 steps a batch see long sequences too; a batch that passed them may still fail in
+        # 50, so the fine search starts well below (at half): it must start on a batch that runs.
+        print("training: coarse search (default allocator, 10 steps a batch)", flush=True)
+        coarse = run("train.py", "default", "search", "--start", 16, "--step", 16, "--steps", 10,
+                     "--free-gib", free)
+        if coarse:
+            estimate = int(number(coarse[0]))
+            fine = max(2, estimate // 24)
+            start = max(fine, (estimate // 2) // fine * fine)
+            print("training: the largest batch running 50 steps, from %d by %d" % (start, fine),
+                  flush=True)
+            row = {}
+            for a in common.ALLOCATORS:
+                r = run("train.py", a, "search", "--start", start, "--step", fine,
+                        "--steps", 50, "--free-gib", free, timeout=1800)
+                if r:
+                    row[a] = number(r[0])
+            table.append(("largest batch, 50 steps (%g GiB free)" % free, row, "%.0f"))
+            if row:
+                batch = max(2, int(min(row.values())) // 2)
+                row = {}
+                for a in common.ALLOCATORS:
+                    r = run("train.py", a, "speed", "--batch", batch, "--free-gib", free)
+                    if r:
+                        row[a] = number(r[0])
+                table.append(("steps/s at batch %d" % batch, row, "%.3f"))
+
+    print()
+    print("| measurement | default | expandable_segments | cudamem | cudamem / default |")
+    print("|---|---|---|---|---|")
+    for name, row, fmt in table:
+        cells = [fmt % row[a] if a in row else "failed" for a in common.ALLOCATORS]
+        ratio = ("%.3f" % (row["cudamem"] / row["default"])
+                 if "cudamem" in row and row.get("default") else "")
+        print("| %s | %s | %s |" % (name, " | ".join(cells), ratio))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""A training loop whose shapes change from step to step: a transformer built from torch.nn,
+random tokens, a sequence length drawn anew each step (nothing downloaded). Two measurements,
+one allocator per process (run_all.py names it in the environment):
+
+    python3 train.py search --start B --step S [--free-gib N]
+        batches B, B+S, B+2S, ... in one process, 50 steps each, until one fails: prints the
+        largest batch that ran all its steps (the seeds' situation: a program that grows its
+        batch, on an allocator that has served every shape before)
+    python3 train.py speed --batch B [--free-gib N]
+        steps per second at batch B (median of 5 timed windows of 10 steps, after 5 warm-up)
+"""
+import argparse
+import random
+import sys
+import time
+
+import common
+
+VOCAB, D_MODEL, HEADS, LAYERS, FF = 8192, 512, 8, 6, 2048
+MIN_LEN, MAX_LEN = 64, 1024
+# Lengths are multiples of 8, padded as real data loaders pad them: every shape still differs
+# from step to step (121 lengths), but not so many that the first launch of each new GEMM
+# kernel (CUDA loads modules lazily, and a load waits for the device) dominates a step.
+PAD = 8
+
+
+def draw_length(rng):
+    return rng.randint(MIN_LEN // PAD, MAX_LEN // PAD) * PAD
+
+
+def build(torch):
+    torch.manual_seed(0)
+    nn = torch.nn
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, D_MODEL)
+            layer = nn.TransformerEncoderLayer(D_MODEL, HEADS, FF, batch_first=True,
+                                               norm_first=True)
+            self.encoder = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
+            self.head = nn.Linear(D_MODEL, VOCAB)
+
+        def forward(self, tokens):
+            return self.head(self.encoder(self.embed(tokens)))
+
+    model = Model().cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return model, optimizer
+
+
+def step(torch, model, optimizer, batch, length):
+    tokens = torch.randint(0, VOCAB, (batch, length), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(tokens)
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, VOCAB).float(),
+                                                 tokens.view(-1))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def search(torch, model, optimizer, start, increment, steps):
+    rng = random.Random(1)
+    largest, batch = 0, start
+    while True:
+        lengths = [draw_length(rng) for _ in range(steps)]
+        try:
+            for length in lengths:
+                step(torch, model, optimizer, batch, length)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            if not common.is_oom(e):
+                raise
+            return largest, batch
+        largest = batch
+        print("ok batch %d" % batch, flush=True)
+        batch += increment
+
+
+def speed(torch, model, optimizer, batch):
+    rng = random.Random(2)
+    for _ in range(5):
+        step(torch, model, optimizer, batch, draw_length(rng))
+    torch.cuda.synchronize()
+    rates = []
+    for _ in range(5):
+        lengths = [draw_length(rng) for _ in range(10)]
+        t = time.perf_counter()
+        for length in lengths:
+            step(torch, model, optimizer, batch, length)
+        torch.cuda.synchronize()
+        rates.append(10 / (time.perf_counter() - t))
+    return common.median(rates)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["search", "speed"])
+    parser.add_argument("--start", type=int, default=8)
+    parser.add_argument("--step", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--free-gib", type=float, default=0)
+    args = parser.parse_args()
+    allocator = common.set_up()
+    import torch
+    torch.cuda.init()
+    common.cap_free_memory(int(args.free_gib * common.GiB))
+    model, optimizer = build(torch)
+    if args.mode == "search":
+        largest, failed = search(torch, model, optimizer, args.start, args.step, args.steps)
+        print("RESULT search %s %d (batch %d failed)" % (allocator, largest, failed))
+    else:
+        print("RESULT speed %s %.3f steps/s at batch %d"
+              % (allocator, speed(torch, model, optimizer, args.batch), args.batch))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

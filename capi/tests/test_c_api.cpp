@@ -1,0 +1,296 @@
+// cudamem_c.h over simulated devices (no GPU): the whole path of a C caller and of PyTorch's
+// entry points — configuration, allocation, statistics, reports, out of memory, bad input.
+#include <cudamem_c.h>
+
+#include <catch2/catch.hpp>
+
+#include <cstdint>
+#include <cstdlib>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+constexpr std::size_t MiB = std::size_t{1} << 20;
+constexpr std::size_t GiB = std::size_t{1} << 30;
+
+std::string last() { return cudamem_last_error(); }
+
+/// A new allocator; fails the test if it cannot be made.
+int make(const char* config) {
+  int id = -1;
+  const cudamem_status s = cudamem_allocator_create(config, &id);
+  INFO(last());
+  REQUIRE(s == CUDAMEM_OK);
+  REQUIRE(id > 0);
+  return id;
+}
+
+cudamem_stats stats_of(int id, int device = 0) {
+  cudamem_stats s{};
+  s.struct_size = sizeof(s);
+  REQUIRE(cudamem_get_stats(id, device, &s) == CUDAMEM_OK);
+  return s;
+}
+
+std::string text_of(cudamem_status (*get)(int, char*, std::size_t, std::size_t*), int id) {
+  std::size_t needed = 0;
+  REQUIRE(get(id, nullptr, 0, &needed) == CUDAMEM_OK);
+  std::string s(needed, '\0');
+  REQUIRE(get(id, s.data(), s.size(), &needed) == CUDAMEM_OK);
+  s.resize(needed - 1);
+  return s;
+}
+
+/// Destroys `id` at scope exit (after the test freed everything).
+struct destroyer {
+  int id;
+  ~destroyer() { cudamem_allocator_destroy(id); }
+};
+
+struct framework_oom : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+void throw_framework_oom(const char* report) { throw framework_oom(report); }
+
+}  // namespace
+
+// First in this file on purpose: allocator 0 reads the environment once, when first touched.
+TEST_CASE("c api: allocator 0 is configured by CUDAMEM_ variables; a bad one is never ignored") {
+  ::setenv("CUDAMEM_LIMIT_BYTES", "2GB", 1);
+  CHECK(cudamem_allocator_configure(0, "") == CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(last() ==
+        "cudamem: limit_bytes=2GB (from environment variable CUDAMEM_LIMIT_BYTES): not a size "
+        "(bytes, optionally with a unit: 512, 64KiB, 2MiB, 8GiB, 1TiB)");
+  void* p = reinterpret_cast<void*>(1);
+  CHECK(cudamem_allocate(0, 64, 0, nullptr, &p) == CUDAMEM_ERROR_INVALID_ARGUMENT);  // still
+  CHECK(p == nullptr);
+
+  ::setenv("CUDAMEM_LIMIT_BYTES", "2GiB", 1);
+  ::setenv("CUDAMEM_RESOURCE", "pool", 1);
+  ::setenv("CUDAMEM_SIMULATE_BYTES", "4GiB", 1);
+  REQUIRE(cudamem_allocator_configure(0, "raise_on_oom=1") == CUDAMEM_OK);
+  std::size_t needed = 0;
+  REQUIRE(cudamem_allocator_describe(0, nullptr, 0, &needed) == CUDAMEM_OK);
+  std::string d(needed, '\0');
+  REQUIRE(cudamem_allocator_describe(0, d.data(), d.size(), nullptr) == CUDAMEM_OK);
+  CHECK(std::string(d.c_str()) ==
+        "resource=pool, limit_bytes=2147483648, simulate_bytes=4294967296, raise_on_oom=1");
+  ::unsetenv("CUDAMEM_LIMIT_BYTES");
+  ::unsetenv("CUDAMEM_RESOURCE");
+  ::unsetenv("CUDAMEM_SIMULATE_BYTES");
+}
+
+TEST_CASE("c api: PyTorch's entry points over allocator 0 raise at a failed allocation") {
+  void* p = cudamem_torch_malloc(64 * MiB, 0, nullptr);
+  CHECK(p != nullptr);
+  cudamem_torch_record_stream(p, reinterpret_cast<cudamem_stream_t>(0x10));
+  cudamem_torch_free(p, 64 * MiB, 0, nullptr);
+  CHECK(cudamem_torch_malloc(0, 0, nullptr) == nullptr);  // 0 bytes: no memory, no error
+
+  // Over the 2 GiB budget: no thrower registered -> a std::bad_alloc carrying the report.
+  cudamem_set_torch_oom_thrower(nullptr);
+  try {
+    static_cast<void>(cudamem_torch_malloc(3 * GiB, 0, nullptr));
+    FAIL("no exception");
+  } catch (const std::bad_alloc& e) {
+    CHECK_THAT(e.what(), Catch::Contains("could not allocate 3.00 GiB"));
+    CHECK_THAT(e.what(), Catch::Contains("Verdict: budget"));
+  }
+  // With a thrower: the framework's own exception, with the same report.
+  cudamem_set_torch_oom_thrower(&throw_framework_oom);
+  try {
+    static_cast<void>(cudamem_torch_malloc(3 * GiB, 0, nullptr));
+    FAIL("no exception");
+  } catch (const framework_oom& e) {
+    CHECK_THAT(e.what(), Catch::Contains("Verdict: budget"));
+  }
+  cudamem_set_torch_oom_thrower(nullptr);
+  // A device that does not exist: a runtime_error naming it, not a null pointer.
+  CHECK_THROWS_WITH(cudamem_torch_malloc(MiB, 99, nullptr),
+                    Catch::Contains("device 99 does not exist"));
+  // The allocator goes on working, and the configuration is fixed now.
+  void* q = cudamem_torch_malloc(MiB, 0, nullptr);
+  CHECK(q != nullptr);
+  cudamem_torch_free(q, MiB, 0, nullptr);
+  CHECK(cudamem_allocator_configure(0, "resource=vm_pool") == CUDAMEM_ERROR_STATE);
+  CHECK_THAT(last(), Catch::Contains("configured at its first allocation"));
+  cudamem_torch_empty_cache();
+  CHECK(stats_of(0).reserved_bytes == 0);  // the pool gave its chunk back
+}
+
+TEST_CASE("c api: allocate, free, statistics over a simulated vm_pool") {
+  const int id = make("simulate_bytes=8GiB");
+  destroyer d{id};
+  const cudamem_stats before = stats_of(id);
+  CHECK(before.stack_exists == 0);
+  CHECK(before.in_use_bytes == 0);
+
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) {
+    void* p = nullptr;
+    REQUIRE(cudamem_allocate(id, 3 * MiB, 0, nullptr, &p) == CUDAMEM_OK);
+    CHECK(p != nullptr);
+    CHECK(reinterpret_cast<std::uintptr_t>(p) % 256 == 0);
+    blocks.push_back(p);
+  }
+  void* big = nullptr;
+  REQUIRE(cudamem_allocate(id, 512 * MiB, 0, nullptr, &big) == CUDAMEM_OK);
+  cudamem_stats s = stats_of(id);
+  CHECK(s.stack_exists == 1);
+  CHECK(s.device == 0);
+  CHECK(s.in_use_bytes == 8 * 3 * MiB + 512 * MiB);
+  CHECK(s.allocations == 9);
+  CHECK(s.reserved_bytes >= s.in_use_bytes);
+  CHECK(s.largest_free_block != UINT64_MAX);
+  CHECK(s.limit_bytes == 0);
+
+  REQUIRE(cudamem_deallocate(id, big, 512 * MiB, 0, nullptr) == CUDAMEM_OK);
+  for (void* p : blocks) {
+    REQUIRE(cudamem_deallocate(id, p, 3 * MiB, 0, nullptr) == CUDAMEM_OK);
+  }
+  s = stats_of(id);
+  CHECK(s.in_use_bytes == 0);
+  CHECK(s.peak_in_use_bytes == 8 * 3 * MiB + 512 * MiB);
+  CHECK(s.deallocations == 9);
+  uint64_t released = 0;
+  CHECK(cudamem_release(id, -1, &released) == CUDAMEM_OK);
+  CHECK(released > 0);
+  CHECK(stats_of(id).reserved_bytes == 0);
+
+  void* none = reinterpret_cast<void*>(1);
+  CHECK(cudamem_allocate(id, 0, 0, nullptr, &none) == CUDAMEM_OK);
+  CHECK(none == nullptr);
+  CHECK(cudamem_deallocate(id, nullptr, 0, 0, nullptr) == CUDAMEM_OK);
+}
+
+TEST_CASE("c api: out of memory returns cudamem's report, and the allocator goes on") {
+  const int id = make("resource=pool, simulate_bytes=1GiB");
+  destroyer d{id};
+  void* p = nullptr;
+  CHECK(cudamem_allocate(id, 2 * GiB, 0, nullptr, &p) == CUDAMEM_ERROR_OUT_OF_MEMORY);
+  CHECK(p == nullptr);
+  const std::string report = last();
+  CHECK_THAT(report, Catch::Contains("could not allocate 2.00 GiB"));
+  CHECK_THAT(report, Catch::Contains("statistics_adaptor"));
+  CHECK_THAT(report, Catch::Contains("pool_resource"));
+  CHECK_THAT(report, Catch::Contains("Verdict: larger_than_device"));
+  CHECK(text_of(&cudamem_last_oom_report, id) == report);
+
+  REQUIRE(cudamem_allocate(id, 256 * MiB, 0, nullptr, &p) == CUDAMEM_OK);
+  std::size_t needed = 0;
+  REQUIRE(cudamem_report(id, 0, 0, nullptr, 0, &needed) == CUDAMEM_OK);
+  std::string text(needed, '\0');
+  REQUIRE(cudamem_report(id, 0, 0, text.data(), text.size(), nullptr) == CUDAMEM_OK);
+  CHECK_THAT(text, Catch::Contains("pool_resource: "));
+  std::string small(8, 'x');  // a buffer too small: cut, terminated
+  REQUIRE(cudamem_report(id, 0, 0, small.data(), small.size(), &needed) == CUDAMEM_OK);
+  CHECK(std::string(small.c_str()).size() == 7);
+  CHECK(cudamem_deallocate(id, p, 256 * MiB, 0, nullptr) == CUDAMEM_OK);
+}
+
+TEST_CASE("c api: a byte budget") {
+  const int id = make("limit_bytes=256MiB, simulate_bytes=4GiB");
+  destroyer d{id};
+  void* p = nullptr;
+  REQUIRE(cudamem_allocate(id, 200 * MiB, 0, nullptr, &p) == CUDAMEM_OK);
+  void* q = nullptr;
+  CHECK(cudamem_allocate(id, 100 * MiB, 0, nullptr, &q) == CUDAMEM_ERROR_OUT_OF_MEMORY);
+  CHECK_THAT(last(), Catch::Contains("Verdict: budget"));
+  CHECK(stats_of(id).limit_bytes == 256 * MiB);
+  CHECK(cudamem_deallocate(id, p, 200 * MiB, 0, nullptr) == CUDAMEM_OK);
+  REQUIRE(cudamem_allocate(id, 100 * MiB, 0, nullptr, &q) == CUDAMEM_OK);
+  CHECK(cudamem_deallocate(id, q, 100 * MiB, 0, nullptr) == CUDAMEM_OK);
+}
+
+TEST_CASE("c api: bad input is refused with a message, and nothing is lost") {
+  int id = -1;
+  CHECK(cudamem_allocator_create("resource=nope", &id) == CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(last(), Catch::Contains("unknown resource"));
+  CHECK(id == -1);
+  CHECK(cudamem_allocator_create("", nullptr) == CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(cudamem_allocator_configure(CUDAMEM_MAX_ALLOCATORS, "") ==
+        CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(last(), Catch::Contains("no allocator 16"));
+  CHECK(cudamem_allocator_destroy(0) == CUDAMEM_ERROR_INVALID_ARGUMENT);
+
+  id = make("simulate_bytes=1GiB");
+  destroyer d{id};
+  CHECK(cudamem_allocator_configure(id, "limit_bytes=-3") == CUDAMEM_ERROR_INVALID_ARGUMENT);
+  void* p = nullptr;
+  CHECK(cudamem_allocate(id, MiB, 8, nullptr, &p) == CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(last() == "cudamem: device 8 does not exist (8 simulated devices)");
+  CHECK(cudamem_allocate(id, MiB, -1, nullptr, &p) == CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(cudamem_allocate(id, MiB, 0, nullptr, nullptr) == CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(cudamem_record_stream(id, &p, nullptr) == CUDAMEM_ERROR_INVALID_ARGUMENT);  // nothing yet
+
+  REQUIRE(cudamem_allocate(id, MiB, 0, nullptr, &p) == CUDAMEM_OK);
+  int local = 0;
+  CHECK(cudamem_deallocate(id, &local, MiB, 0, nullptr) == CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(last(), Catch::Contains("deallocate"));
+  CHECK(cudamem_deallocate(id, p, MiB, 1, nullptr) == CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(last(), Catch::Contains("device 1, where this allocator never allocated"));
+  CHECK(cudamem_allocator_destroy(id) == CUDAMEM_ERROR_STATE);  // p is still live
+  CHECK_THAT(last(), Catch::Contains("still has"));
+  CHECK(cudamem_deallocate(id, p, MiB, 0, nullptr) == CUDAMEM_OK);  // the real free still works
+
+  cudamem_stats s{};
+  CHECK(cudamem_get_stats(id, 0, nullptr) == CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(cudamem_get_stats(id, 0, &s) == CUDAMEM_ERROR_INVALID_ARGUMENT);  // struct_size 0
+  CHECK_THAT(last(), Catch::Contains("struct_size"));
+  // A caller that knows fewer fields gets those only.
+  s.struct_size = offsetof(cudamem_stats, peak_in_use_bytes);
+  s.peak_in_use_bytes = 12345;
+  CHECK(cudamem_get_stats(id, 0, &s) == CUDAMEM_OK);
+  CHECK(s.stack_exists == 1);
+  CHECK(s.peak_in_use_bytes == 12345);
+}
+
+TEST_CASE("c api: record_stream holds a free back until the other stream is done") {
+  // Simulated devices run no work, so the free goes through at the next call; the waiting
+  // itself is tested in test_deferred_frees and on the GPU.
+  const int id = make("simulate_bytes=1GiB");
+  destroyer d{id};
+  void* p = nullptr;
+  REQUIRE(cudamem_allocate(id, MiB, 0, nullptr, &p) == CUDAMEM_OK);
+  CHECK(cudamem_record_stream(id, p, reinterpret_cast<cudamem_stream_t>(0x20)) == CUDAMEM_OK);
+  CHECK(cudamem_deallocate(id, p, MiB, 0, nullptr) == CUDAMEM_OK);
+  CHECK(stats_of(id).in_use_bytes == 0);
+  CHECK(stats_of(id).pending_frees == 0);
+}
+
+TEST_CASE("c api: a MemPool's allocator returns null at a failed allocation (raise_on_oom=0)") {
+  const int id = make("resource=pool, simulate_bytes=1GiB, raise_on_oom=0");
+  destroyer d{id};
+  REQUIRE(id < 16);
+  // The entry points of allocator `id` are cudamem_torch_malloc_<id>; call through allocate
+  // for the same allocator to check the refusal mode the entry point follows.
+  void* p = reinterpret_cast<void*>(1);
+  CHECK(cudamem_allocate(id, 2 * GiB, 0, nullptr, &p) == CUDAMEM_ERROR_OUT_OF_MEMORY);
+  CHECK(p == nullptr);
+}
+
+TEST_CASE("c api: at most 15 allocators beside allocator 0; destroyed ids are reused") {
+  std::vector<int> ids;
+  int id = 0;
+  while (cudamem_allocator_create("simulate_bytes=1GiB", &id) == CUDAMEM_OK) {
+    ids.push_back(id);
+  }
+  CHECK(cudamem_allocator_create("", &id) == CUDAMEM_ERROR_STATE);
+  CHECK_THAT(last(), Catch::Contains("allocators besides allocator 0 are in use"));
+  CHECK(ids.size() == CUDAMEM_MAX_ALLOCATORS - 1);
+  REQUIRE(cudamem_allocator_destroy(ids.back()) == CUDAMEM_OK);
+  CHECK(cudamem_allocator_destroy(ids.back()) == CUDAMEM_ERROR_INVALID_ARGUMENT);  // twice
+  CHECK(cudamem_allocator_create("", &id) == CUDAMEM_OK);
+  CHECK(id == ids.back());
+  ids.back() = id;
+  for (int i : ids) {
+    CHECK(cudamem_allocator_destroy(i) == CUDAMEM_OK);
+  }
+}
+
+TEST_CASE("c api: version") {
+  CHECK(std::string(cudamem_version()) == "0.1.0");
+  CHECK(std::string(cudamem_last_error()).empty());  // the last call succeeded
+}

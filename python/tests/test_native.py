@@ -1,0 +1,108 @@
+"""The ctypes layer over libcudamem_c, on simulated devices: runs anywhere, no GPU needed."""
+import pytest
+
+import cudamem
+from cudamem import _native
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+@pytest.fixture
+def simulated():
+    """An allocator over simulated 4 GiB devices, destroyed afterwards."""
+    allocator_id = _native.create("resource=vm_pool, simulate_bytes=4GiB")
+    yield allocator_id
+    _native.destroy(allocator_id)
+
+
+def test_version_and_library():
+    assert _native.version() == cudamem.__version__
+    assert _native.library_path().endswith((".so",)) or ".so." in _native.library_path()
+
+
+def test_allocate_free_and_stats(simulated):
+    ptrs = [_native.allocate(simulated, 3 * MiB, 0, None) for _ in range(4)]
+    assert all(p % 256 == 0 and p != 0 for p in ptrs)
+    big = _native.allocate(simulated, 256 * MiB, 0, None)
+    s = _native.stats(simulated, 0)
+    assert s["in_use_bytes"] == 4 * 3 * MiB + 256 * MiB
+    assert s["allocations"] == 5
+    assert s["reserved_bytes"] >= s["in_use_bytes"]
+    assert s["limit_bytes"] is None
+    assert s["largest_free_block"] is not None
+    _native.deallocate(simulated, big, 256 * MiB, 0, None)
+    for p in ptrs:
+        _native.deallocate(simulated, p, 3 * MiB, 0, None)
+    s = _native.stats(simulated, 0)
+    assert s["in_use_bytes"] == 0
+    assert s["peak_in_use_bytes"] == 4 * 3 * MiB + 256 * MiB
+    assert _native.release(simulated) > 0
+    assert _native.stats(simulated, 0)["reserved_bytes"] == 0
+    assert _native.allocate(simulated, 0, 0, None) == 0
+
+
+def test_out_of_memory_carries_the_report(simulated):
+    with pytest.raises(cudamem.OutOfMemoryError) as caught:
+        _native.allocate(simulated, 5 * GiB, 0, None)
+    text = str(caught.value)
+    assert "could not allocate 5.00 GiB" in text
+    assert "Verdict: larger_than_device" in text
+    assert isinstance(caught.value, MemoryError)
+    assert _native.last_oom_report(simulated) == text
+    p = _native.allocate(simulated, MiB, 0, None)  # and it goes on
+    assert "vm_pool_resource" in _native.report(simulated, 0)
+    _native.deallocate(simulated, p, MiB, 0, None)
+
+
+def test_bad_input_is_a_typed_exception(simulated):
+    with pytest.raises(cudamem.ConfigError, match="device 8 does not exist"):
+        _native.allocate(simulated, MiB, 8, None)
+    with pytest.raises(ValueError, match="never allocated"):
+        _native.deallocate(simulated, 4096, MiB, 3, None)
+    with pytest.raises(cudamem.ConfigError, match="no allocator 99"):
+        _native.stats(99, 0)
+    with pytest.raises(cudamem.ConfigError, match="unknown resource"):
+        _native.create("resource=heap")
+    p = _native.allocate(simulated, MiB, 0, None)
+    with pytest.raises(cudamem.StateError, match="configured at its first allocation"):
+        _native.configure(simulated, "limit_bytes=1GiB")
+    with pytest.raises(cudamem.StateError, match="still has"):
+        _native.destroy(simulated)
+    _native.deallocate(simulated, p, MiB, 0, None)
+
+
+def test_config_text_checks_names_and_types_in_python():
+    text = _native.config_text("f()", "pool", {"limit_bytes": "8GiB", "grow_ahead_bytes": None})
+    assert text == "resource=pool, limit_bytes=8GiB"
+    with pytest.raises(TypeError, match="unexpected keyword argument 'limit'"):
+        _native.config_text("f()", "pool", {"limit": 1})
+    with pytest.raises(TypeError, match="limit_bytes must be an int .* not float"):
+        _native.config_text("f()", "pool", {"limit_bytes": 1.5})
+    with pytest.raises(TypeError, match="not bool"):
+        _native.config_text("f()", "pool", {"limit_bytes": True})
+    with pytest.raises(TypeError, match="resource must be a str"):
+        _native.config_text("f()", 3, {})
+    with pytest.raises(ValueError, match="must not be negative"):
+        _native.config_text("f()", "pool", {"limit_bytes": -1})
+    with pytest.raises(ValueError, match="is not a size"):
+        _native.config_text("f()", "pool", {"limit_bytes": "1GiB,resource=async"})
+    # Values are parsed by the library: a bad one is a ValueError naming it.
+    with pytest.raises(ValueError, match="limit_bytes=8GB .* not a size"):
+        _native.create(_native.config_text("f()", "pool", {"limit_bytes": "8GB"}))
+    with pytest.raises(ValueError, match="applies to resource=vm_pool only"):
+        _native.create(_native.config_text("f()", "pool", {"grow_ahead_bytes": 0}))
+
+
+def test_describe_and_limit():
+    allocator_id = _native.create("resource=pool, simulate_bytes=2GiB, limit_bytes=64MiB")
+    try:
+        assert _native.describe(allocator_id) == (
+            "resource=pool, limit_bytes=67108864, simulate_bytes=2147483648, raise_on_oom=1")
+        p = _native.allocate(allocator_id, 60 * MiB, 0, None)
+        with pytest.raises(cudamem.OutOfMemoryError, match="Verdict: budget"):
+            _native.allocate(allocator_id, 8 * MiB, 0, None)
+        assert _native.stats(allocator_id, 0)["limit_bytes"] == 64 * MiB
+        _native.deallocate(allocator_id, p, 60 * MiB, 0, None)
+    finally:
+        _native.destroy(allocator_id)
