@@ -49,6 +49,7 @@
 
 #include <cudamem/detail/held_ahead.hpp>
 #include <cudamem/memory_resource.hpp>
+#include <cudamem/memory_report.hpp>
 #include <cudamem/out_of_memory.hpp>
 
 #include <cuda_runtime_api.h>
