@@ -627,7 +627,9 @@ class nccl_registering_adaptor final : public detail::adaptor_base<nccl_register
 ///   whatever device is current.
 /// - Alignment up to 256 bytes (what every path of ncclMemAlloc guarantees; it falls back to
 ///   cudaMalloc where CUDA's virtual memory is off); more throws std::invalid_argument.
-/// - Out of device memory throws `out_of_memory`; any other NCCL failure `nccl_error`.
+/// - Out of device memory throws `out_of_memory`, once the process's vm_resources gave back what
+///   they held ahead of need on the device and it was tried again (detail/held_ahead.hpp); any
+///   other NCCL failure `nccl_error`.
 /// - Synchronous like cudaMalloc: the stream-ordered allocate ignores the stream, the
 ///   stream-ordered deallocate waits for its stream first. A failing ncclMemFree goes to the
 ///   error handler.
@@ -646,15 +648,27 @@ class nccl_mem_resource final : public memory_resource {
     detail::check_cuda_alignment("nccl_mem_resource", alignment);
     const device_guard on{device()};
     void* p = nullptr;
-    const ncclResult_t code = ncclMemAlloc(&p, bytes);
-    if (code != ncclSuccess) {
+    ncclResult_t code = ncclMemAlloc(&p, bytes);
+    std::size_t given_back = 0;  // by the process's vm_resources (detail/held_ahead.hpp)
+    for (bool tried_again = false; code != ncclSuccess; tried_again = true) {
       static_cast<void>(cudaGetLastError());  // the cudaMalloc fallback's error is not sticky
-      const std::string text =
+      std::string text =
           detail::describe_nccl(detail::nccl_library_calls(), code, "ncclMemAlloc");
-      if (code == ncclUnhandledCudaError && out_of_device_memory(text, bytes)) {
-        throw_out_of_memory(*this, bytes, alignment, text);
+      if (code != ncclUnhandledCudaError || !out_of_device_memory(text, bytes)) {
+        throw nccl_error(code, text);
       }
-      throw nccl_error(code, text);
+      if (!tried_again) {  // memory held ahead of need gives way, then once more
+        given_back = detail::give_back_held_ahead(detail::memory_domain{device(), nullptr});
+        if (given_back != 0) {
+          code = ncclMemAlloc(&p, bytes);
+          continue;
+        }
+      }
+      if (given_back != 0) {
+        text += ", tried again after vm_resources gave back " + format_bytes(given_back) +
+                " held ahead of need";
+      }
+      throw_out_of_memory(*this, bytes, alignment, text);
     }
     usage_.add(bytes);
     return p;
