@@ -19,6 +19,7 @@
 #include <catch2/catch.hpp>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <random>
@@ -339,4 +340,89 @@ TEST_CASE("held ahead: give-backs beside allocating threads and the growth threa
   CHECK(second_state.physical_in_use == 0);
   CHECK(second_state.violations == 0);
   CHECK(device.used_bytes() == 0);
+}
+
+TEST_CASE("held ahead: two vm_pools short of memory at once ask each other: no deadlock, the "
+          "device ends full") {
+  // Each round: two vm_pools over one 4 GiB device hold 1 GiB and 512 MiB of blocks and what
+  // they made ahead (a quarter of that), and the rest of the device is taken; two threads, released together, fill the
+  // pools until out_of_memory. Past its own memory made ahead, each pool can get only what the
+  // other gives back: each failure asks the other (its own lock released first), so neither
+  // waits for the other while holding what the other needs.
+  std::size_t given_back_in_all = 0;
+  for (int round = 0; round < 20; ++round) {
+    CAPTURE(round);
+    simulated_resource device{{.capacity = 4 * GiB, .layout = simulated_layout::paged}};
+    vm_pool_resource a{layer_over(device), pool_options_ahead(1 * GiB)};
+    vm_pool_resource b{layer_over(device), pool_options_ahead(1 * GiB)};
+    std::vector<void*> first_a;
+    std::vector<void*> first_b;
+    for (int i = 0; i < 8; ++i) {
+      first_a.push_back(a.allocate(128 * MiB));
+      if (i % 2 == 0) {
+        first_b.push_back(b.allocate(128 * MiB));
+      }
+    }
+    a.upstream_vm().wait_for_growth();
+    b.upstream_vm().wait_for_growth();
+    const std::size_t held_a = a.vm_stats().held_ahead_bytes;
+    const std::size_t held_b = b.vm_stats().held_ahead_bytes;
+    REQUIRE(held_a > 0);
+    REQUIRE(held_b > 0);
+    // The rest of the device, straight from it: what is free (a fill would take what the
+    // pools hold ahead too).
+    REQUIRE(device.used_bytes() == 1536 * MiB + held_a + held_b);
+    std::vector<void*> rest;
+    while (device.used_bytes() < 4 * GiB) {
+      rest.push_back(device.allocate(64 * MiB));
+    }
+    REQUIRE(a.vm_stats().given_back_ahead_bytes + b.vm_stats().given_back_ahead_bytes == 0);
+
+    std::atomic<int> ready{0};
+    std::vector<void*> more_a;
+    std::vector<void*> more_b;
+    // a takes its time between requests, so that b, which holds less ahead, runs out while a
+    // still holds some (else each may use up its own before the other asks).
+    const auto filler = [&](vm_pool_resource& pool, std::vector<void*>& blocks,
+                            std::chrono::microseconds pause) {
+      ready.fetch_add(1);
+      while (ready.load() < 2) {
+      }
+      while (true) {
+        try {
+          blocks.push_back(pool.allocate(64 * MiB));
+        } catch (const out_of_memory&) {
+          return;
+        }
+        std::this_thread::sleep_for(pause);
+      }
+    };
+    std::thread ta{filler, std::ref(a), std::ref(more_a), std::chrono::microseconds{300}};
+    std::thread tb{filler, std::ref(b), std::ref(more_b), std::chrono::microseconds{0}};
+    ta.join();
+    tb.join();
+    a.upstream_vm().wait_for_growth();
+    b.upstream_vm().wait_for_growth();
+
+    // Both failed only once the device was full: every byte of it is in a block, none is
+    // left held ahead.
+    const vm_pool_stats sa = a.vm_stats();
+    const vm_pool_stats sb = b.vm_stats();
+    CAPTURE(more_a.size(), more_b.size(), sa.held_ahead_bytes, sb.held_ahead_bytes,
+            sa.given_back_ahead_bytes, sb.given_back_ahead_bytes);
+    CHECK(device.used_bytes() == 4 * GiB);
+    CHECK((more_a.size() + more_b.size() + rest.size()) * 64 * MiB == 2560 * MiB);
+    CHECK(sa.held_ahead_bytes + sb.held_ahead_bytes == 0);
+    given_back_in_all += sa.given_back_ahead_bytes + sb.given_back_ahead_bytes;
+
+    free_all(device, rest, 64 * MiB);
+    free_all(a, more_a, 64 * MiB);
+    free_all(b, more_b, 64 * MiB);
+    free_all(a, first_a, 128 * MiB);
+    free_all(b, first_b, 128 * MiB);
+    CHECK(a.stats().used_bytes == 0);
+    CHECK(b.stats().used_bytes == 0);
+  }
+  // b, which held less ahead, ran out of its own first and got what a still held ahead.
+  CHECK(given_back_in_all > 0);
 }
