@@ -145,15 +145,12 @@ namespace cudamem {
 /// grow_ahead_bytes when left unset, over a real device: 4 GiB.
 inline constexpr std::size_t default_grow_ahead_bytes = std::size_t{4} << 30;
 
-/// grow_ahead_floor_bytes when left unset: growth ahead leaves at least this much of a device
-/// of `device_total` bytes free: 2 GiB, or 1/32 of the device if that is more (2.5 GiB on an
-/// 80 GiB H100, 4.4 GiB on a 141 GiB H200).
-///
+/// The least free device memory growth ahead leaves, whatever the device: 2 GiB.
 /// Why. Memory made ahead is a guess. What the floor keeps free is for the rest of the
 /// process, which cannot ask us to give memory back (cuBLAS, NCCL and a framework's own
 /// caching allocator call cudaMalloc, not cudamem: only cudamem's resources ask,
 /// detail/held_ahead.hpp), and whose needs come in the middle of a run, once our pools have
-/// grown:
+/// grown. Their documented defaults on a Hopper GPU:
 /// - cuBLAS and cuBLASLt workspaces: 32 MiB per handle and stream on Hopper (4 MiB before it),
 ///   256 MiB for a framework with 8 streams;
 /// - NCCL's buffers, made when a communicator first runs an algorithm (lazy connection,
@@ -162,15 +159,22 @@ inline constexpr std::size_t default_grow_ahead_bytes = std::size_t{4} << 30;
 /// - kernels' local memory, which the driver grows when a kernel needs a larger stack: 1 KiB
 ///   more per thread is 264 MiB on an H100 (132 SMs x 2048 resident threads);
 /// - library kernels loaded at their first launch (lazy loading, CUDA's default since 12.2):
-///   tens of MiB per library;
-/// - a framework's caching allocator beside us, which grows by its largest tensors; those
-///   scale with the device, hence the 1/32.
-/// Together about 1.5-2.5 GiB for a multi-GPU training process on a Hopper GPU. What the floor
-/// costs: the last handles of a cold fill of the whole device are made on the allocating
-/// thread, as without growth ahead (on an H100, 40 handles of ~1260: ~2.4 ms of a ~75 ms
-/// fill's driver time no longer overlaps the callers' work).
+///   tens of MiB per library.
+/// Together about 1.5-2 GiB for a multi-GPU training process; 2 GiB covers them. (These are
+/// the libraries' documented sizes, added up; not yet measured in one process on the H100.)
+inline constexpr std::size_t grow_ahead_floor_min_bytes = std::size_t{2} << 30;
+
+/// Above that minimum, the floor is this fraction's inverse of the device (1/32): a
+/// framework's caching allocator beside us grows by its largest tensors, and those scale with
+/// the device (2.5 GiB on an 80 GiB H100, 4.4 GiB on a 141 GiB H200).
+inline constexpr std::size_t grow_ahead_floor_device_share = 32;
+
+/// grow_ahead_floor_bytes when left unset: growth ahead leaves at least this much of a device
+/// of `device_total` bytes free (the larger of the two constants above). What it costs: the
+/// last handles of a cold fill of the whole device are made on the allocating thread, as
+/// without growth ahead (on an 80 GiB H100, 2.5 GiB: 40 handles of 64 MiB, of ~1260).
 [[nodiscard]] constexpr std::size_t default_grow_ahead_floor(std::size_t device_total) noexcept {
-  return std::max(std::size_t{2} << 30, device_total / 32);
+  return std::max(grow_ahead_floor_min_bytes, device_total / grow_ahead_floor_device_share);
 }
 
 /// How to build a vm_resource.

@@ -345,8 +345,8 @@ TEST_CASE("held ahead: give-backs beside allocating threads and the growth threa
 TEST_CASE("held ahead: two vm_pools short of memory at once ask each other: no deadlock, the "
           "device ends full") {
   // Each round: two vm_pools over one 4 GiB device hold 1 GiB and 512 MiB of blocks and what
-  // they made ahead (a quarter of that), and the rest of the device is taken; two threads, released together, fill the
-  // pools until out_of_memory. Past its own memory made ahead, each pool can get only what the
+  // they made ahead (a quarter of that), and the rest of the device is taken; two threads,
+  // released together, fill the pools until out_of_memory. Past its own memory made ahead, each pool can get only what the
   // other gives back: each failure asks the other (its own lock released first), so neither
   // waits for the other while holding what the other needs.
   std::size_t given_back_in_all = 0;

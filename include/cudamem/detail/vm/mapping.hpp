@@ -41,10 +41,11 @@
 //   device it shares (`simulated_vm_options::physical`) or itself.
 // - Threads: vm_resource calls the layer under its mutex, except its growth thread
 //   (vm_resource_options::grow_ahead_bytes), which calls device_free, create, map,
-//   set_access, and on a failure unmap and release, with no lock held. So those may run beside record_free,
-//   order_after_free and wait_for_free on another thread (never beside another create or map:
-//   the other threads wait for the growth thread's batch before they map). The driver is
-//   thread-safe; the simulated layer takes a lock of its own in every call.
+//   set_access, and on a failure unmap and release, with no lock held. So those may run
+//   beside record_free, order_after_free and wait_for_free on another thread (never beside
+//   another create or map: the other threads wait for the growth thread's batch before they
+//   map). The driver is thread-safe; the simulated layer takes a lock of its own in every
+//   call.
 #pragma once
 
 #include <cudamem/detail/held_ahead.hpp>
