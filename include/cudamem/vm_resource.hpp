@@ -95,12 +95,13 @@
 //   thread to be idle; the destructor joins it first. vm_stats().handles_created_ahead counts
 //   its handles.
 // - Memory held ahead gives way to the rest of the process. The thread never takes the
-//   device below `grow_ahead_floor_bytes` of free memory (default_grow_ahead_floor says why:
-//   2 GiB or 1/32 of the device); the resource's own growth for a request may. Memory held
-//   ahead — whole handles free at the end of what is mapped, made by the thread or left by a
-//   growth: vm_stats().held_ahead_bytes — is given back before any cudamem resource of the
-//   process fails for lack of memory on this device (device_resource, async_resource,
-//   ipc_pool_resource, another vm_resource; pools and arenas through their upstreams; a
+//   device below `grow_ahead_floor_bytes` of free memory (default_grow_ahead_floor and the
+//   constants above it say why: 2 GiB or 1/32 of the device); the resource's own growth for
+//   a request may. Memory held ahead — whole handles free at the end of what is mapped, made
+//   by the thread or left by a growth: vm_stats().held_ahead_bytes — is given back before
+//   any cudamem resource of the process fails for lack of memory on this device
+//   (device_resource, async_resource, ipc_pool_resource, nccl_mem_resource, another
+//   vm_resource; pools and arenas through their upstreams; a
 //   simulated_resource for vm_resources over it: detail/held_ahead.hpp), which then tries
 //   once more; `trim()` gives it back on demand. Either waits for a batch under way, then
 //   for frees pending on the memory (on the host); growth ahead then waits until the
