@@ -137,6 +137,7 @@ class device_stack {
       s.reserved_bytes = v.mapped_bytes;  // physical memory held, free or not
       s.largest_free_block = std::max<std::uint64_t>(v.largest_free_range,
                                                      v.pool_largest_free_block);
+      s.held_ahead_bytes = v.held_ahead_bytes;  // whole handles free at the frontier
     }
     s.limit_bytes = limit_ ? limit_->budget() : 0;
     return s;

@@ -4,11 +4,13 @@
 
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -163,6 +165,26 @@ TEST_CASE("c api: allocate, free, statistics over a simulated vm_pool") {
   CHECK(cudamem_allocate(id, 0, 0, nullptr, &none) == CUDAMEM_OK);
   CHECK(none == nullptr);
   CHECK(cudamem_deallocate(id, nullptr, 0, 0, nullptr) == CUDAMEM_OK);
+}
+
+TEST_CASE("c api: memory a vm_pool made ahead of need is counted, and release gives it back") {
+  // The growth thread runs on its own: the test waits (at most 10 s) for its first batch.
+  const int id = make("simulate_bytes=8GiB, grow_ahead_bytes=1GiB");
+  destroyer d{id};
+  void* big = nullptr;
+  REQUIRE(cudamem_allocate(id, 1024 * MiB, 0, nullptr, &big) == CUDAMEM_OK);
+  cudamem_stats s = stats_of(id);
+  for (int i = 0; i < 1000 && s.held_ahead_bytes == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    s = stats_of(id);
+  }
+  CHECK(s.held_ahead_bytes > 0);
+  CHECK(s.held_ahead_bytes <= s.reserved_bytes - s.in_use_bytes);
+  REQUIRE(cudamem_deallocate(id, big, 1024 * MiB, 0, nullptr) == CUDAMEM_OK);
+  uint64_t released = 0;
+  CHECK(cudamem_release(id, -1, &released) == CUDAMEM_OK);
+  CHECK(released >= s.held_ahead_bytes);
+  CHECK(stats_of(id).held_ahead_bytes == 0);
 }
 
 TEST_CASE("c api: out of memory returns cudamem's report, and the allocator goes on") {
