@@ -7,9 +7,10 @@
 // Why. g++ 12 inlines an owner's destructor into std::optional's and, on paths where the
 // optional is empty, cannot always tie the owner's members to the optional's engaged flag: it
 // then warns that they "may be used uninitialized" (-Wmaybe-uninitialized). A Release build of
-// code holding std::optional<peer_access> failed that way (issue 30). The owners keep their
-// release paths out of line where that happens (peer_access::end, event::destroy,
-// detail::spare_nodes' destructor); this file is the check that they still compile clean.
+// code holding std::optional<peer_access> failed that way (issue 30), and std::optional<stream>
+// under the GPU machine's newer g++ at -O2. The owners keep their release paths out of line
+// where that happens (peer_access::end, event::destroy, stream::destroy, detail::spare_nodes'
+// destructor); this file is the check that they still compile clean.
 #include <cudamem/async_resource.hpp>
 #include <cudamem/context.hpp>
 #include <cudamem/device.hpp>
