@@ -151,18 +151,18 @@ inline constexpr std::size_t default_grow_ahead_bytes = std::size_t{4} << 30;
 /// process, which cannot ask us to give memory back (cuBLAS, NCCL and a framework's own
 /// caching allocator call cudaMalloc, not cudamem: only cudamem's resources ask,
 /// detail/held_ahead.hpp), and whose needs come in the middle of a run, once our pools have
-/// grown. Their documented defaults on a Hopper GPU:
-/// - cuBLAS and cuBLASLt workspaces: 32 MiB per handle and stream on Hopper (4 MiB before it),
-///   256 MiB for a framework with 8 streams;
-/// - NCCL's buffers, made when a communicator first runs an algorithm (lazy connection,
-///   NCCL_RUNTIME_CONNECT, on by default since NCCL 2.22): NCCL_BUFFSIZE (4 MiB) per channel,
-///   peer and protocol, a few hundred MiB to about 1 GiB per communicator on an 8-GPU node;
-/// - kernels' local memory, which the driver grows when a kernel needs a larger stack: 1 KiB
-///   more per thread is 264 MiB on an H100 (132 SMs x 2048 resident threads);
-/// - library kernels loaded at their first launch (lazy loading, CUDA's default since 12.2):
-///   tens of MiB per library.
-/// Together about 1.5-2 GiB for a multi-GPU training process; 2 GiB covers them. (These are
-/// the libraries' documented sizes, added up; not yet measured in one process on the H100.)
+/// grown. Measured by bench/grow_ahead_floor.cu on the H100 (80 GiB, CUDA 13.0, NCCL 2.28.3),
+/// each step on top of the ones before, as device memory lost:
+/// - the first launch of a kernel of the program (lazy loading): 140 MiB;
+/// - a kernel needing 4 KiB of stack per thread (the driver grows local memory for every
+///   resident thread, 132 SMs x 2048): 792 MiB; one needing 16 KiB: 3,168 MiB more;
+/// - the device heap at the first in-kernel malloc: 10 MiB;
+/// - cuBLAS, a handle and an SGEMM on each of 8 streams (a framework's): 518 MiB;
+/// - NCCL, a one-rank communicator and its first all-reduce: 494 MiB (more ranks, more
+///   buffers: NCCL documents a few hundred MiB to about 1 GiB per communicator on 8 GPUs).
+/// A training process with all of these but the 16 KiB stack: 1.9 GiB; 2 GiB covers it. A
+/// program whose kernels need tens of KiB of stack per thread sets grow_ahead_floor_bytes
+/// higher (or grow_ahead_bytes to 0): that alone is more than the floor.
 inline constexpr std::size_t grow_ahead_floor_min_bytes = std::size_t{2} << 30;
 
 /// Above that minimum, the floor is this fraction's inverse of the device (1/32): a
