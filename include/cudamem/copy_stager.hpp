@@ -415,7 +415,7 @@ class copy_stager {
   detail::memcpy_workers workers_;
 };
 
-// --- when cudamem::copy stages, and the per-device stagers it uses --------------------------------
+// --- when cudamem::copy stages, and the per-device stagers it uses ---------------------------
 
 /// cudamem::copy's threshold by default: PROVISIONAL (1 MiB), to be chosen from bench_buffers.
 inline constexpr std::size_t default_direct_copy_max_bytes = std::size_t{1} << 20;

@@ -113,7 +113,9 @@ TEST_CASE("copy_stager: stream order is kept both ways", "[copy_stager]") {
   std::fill(host.begin(), host.end(), 9);
   f.stager->copy_to_device(device.data(), host.data(), bytes, any_stream);
   std::size_t nines = 0;
-  f.fake->enqueue([&] { nines = static_cast<std::size_t>(std::count(device.begin(), device.end(), 9)); });
+  f.fake->enqueue([&] {
+    nines = static_cast<std::size_t>(std::count(device.begin(), device.end(), 9));
+  });
   f.fake->drain();
   CHECK(nines == bytes);
   f.check_at_rest();
