@@ -159,12 +159,13 @@ class copy_stager {
   /// allocates chunks of the new size) and the workers joined.
   void set_options(const copy_stager_options& options) {
     const copy_stager_options checked = validated(options);
+    std::vector<chunk_slot> fresh(checked.chunk_count);  // before anything changes: may throw
     std::unique_lock lock{mutex_};
     idle_.wait(lock, [this] { return copies_in_progress_ == 0; });
     free_chunks(lock);
     workers_.stop();
     options_ = checked;
-    slots_.assign(options_.chunk_count, chunk_slot{});
+    slots_.swap(fresh);
   }
 
   /// Frees every chunk and joins the workers, once the copies in progress are done. The next
