@@ -206,7 +206,9 @@ TEST_CASE("copy_stager: a failure part-way throws and leaves nothing held", "[co
 }
 
 TEST_CASE("copy_stager: several threads copy through one stager at once", "[copy_stager]") {
-  fixture f{copy_stager_options{.chunk_bytes = 64 * kib, .chunk_count = 4, .threads = 3}};
+  // Stages of up to 512 KiB: each is split between the caller and a worker, so the workers
+  // serve several copies at once too.
+  fixture f{copy_stager_options{.chunk_bytes = 512 * kib, .chunk_count = 4, .threads = 3}};
   f.fake->dma_delay = std::chrono::microseconds(5);
   constexpr int threads = 4;
   constexpr int copies_each = 12;
@@ -216,7 +218,7 @@ TEST_CASE("copy_stager: several threads copy through one stager at once", "[copy
     pool.emplace_back([&, t] {
       std::mt19937 rng{static_cast<unsigned>(t)};
       for (int i = 0; i < copies_each; ++i) {
-        const std::size_t bytes = 1 + rng() % (900 * kib);
+        const std::size_t bytes = 1 + rng() % (4096 * kib);
         const std::vector<unsigned char> original = pattern(bytes, rng());
         std::vector<unsigned char> device(bytes);
         std::vector<unsigned char> back(bytes);
@@ -232,6 +234,7 @@ TEST_CASE("copy_stager: several threads copy through one stager at once", "[copy
   CHECK(wrong == std::vector<int>(threads, 0));
   CHECK(f.stager->stats().staged_copies == 2 * threads * copies_each);
   CHECK(f.stager->stats().chunks_allocated <= 4);
+  CHECK(f.stager->stats().worker_threads >= 1);
   f.check_at_rest();
 }
 
