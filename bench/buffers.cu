@@ -1,6 +1,8 @@
-// bench/buffers.cu — what the typed owners cost over the raw calls they wrap.
+// bench/buffers.cu — what the typed owners cost over the raw calls they wrap, and how fast
+// copies between ordinary (pageable) host memory and the device go through copy_stager.
 //
-//   ./run bench buffers            (or build-*/bench/bench_buffers [rounds])
+//   ./run bench buffers [rounds] [--copies-only]
+//   (or build-*/bench/bench_buffers [rounds] [--copies-only]; --copies-only skips (1))
 //
 // Peers are measured interleaved, round by round, and compared within each round: a round
 // runs the raw call and its wrapped form back to back (in alternating order, so neither is
@@ -14,12 +16,31 @@
 //     ns per construct+destroy and the median per-round ratio; the target is <= 1.10.
 // (2) 256 MiB host<->device copies: cudamem::copy between a pinned_buffer and a
 //     device_buffer, raw cudaMemcpyAsync between the same pointers, and cudamem::copy with a
-//     pageable std::vector. Per round one copy of each, each way, timed with events. Median
-//     GB/s and the median per-round ratio to raw; the target for pinned is >= 0.95 of raw.
-// `rounds` defaults to 15 (at least 5), after one untimed warm-up round.
+//     pageable std::vector (staged, copy_stager.hpp). Per round one copy of each, each way,
+//     timed with events. Median GB/s and the median per-round ratio to raw; the target for
+//     pinned is >= 0.95 of raw.
+// (3) Pageable copies by size, 4 KiB to 1 GiB (x4 steps), each way; per size and round, in
+//     alternating order: raw cudaMemcpyAsync from/to pageable memory (the driver's staging),
+//     cudamem::copy (direct up to direct_copy_max_bytes(), staged above), the default stager
+//     forced at every size (copy_to_device / copy_to_host: where staging starts to win, which
+//     is how the threshold is chosen), raw cudaMemcpyAsync from/to pinned memory (the ceiling),
+//     and cudaHostRegister + cudaMemcpyAsync + cudaHostUnregister of the pageable memory.
+//     Wall time from the call to cudaStreamSynchronize returning, repeated so that one sample
+//     moves at least 64 MiB (4 KiB: 16,384 copies). Median GB/s; ratios are medians of
+//     per-round ratios to the same round's raw pageable copy, and of staged / pinned.
+//     Then what registration alone costs: cudaHostRegister and cudaHostUnregister of 64 MiB,
+//     256 MiB and 1 GiB, ms and ms per GiB (medians).
+// (4) The stager's knobs at 256 MiB: threads (1, 2, 4, 6, 8) x chunk_bytes (1, 2, 4, 8,
+//     16 MiB), chunk_count 4, each way; every configuration (a stager of its own) once per
+//     round with raw pageable as the baseline. Median GB/s and ratio to raw.
+// The targets of issue 31 are printed after (3): 64 MiB and more >= 2x raw pageable each way
+// (cudamem::copy column), 4 KiB - 1 MiB never below 0.95x.
+// `rounds` defaults to 15 (at least 5), after one untimed warm-up round; 1 GiB copies use
+// at most 7 rounds (about a minute in all).
 // With no GPU it prints one line and exits 69.
 #include <cudamem/async_resource.hpp>
 #include <cudamem/copy.hpp>
+#include <cudamem/copy_stager.hpp>
 #include <cudamem/device_buffer.hpp>
 #include <cudamem/device_resource.hpp>
 #include <cudamem/event.hpp>
@@ -31,9 +52,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <functional>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace {
@@ -108,6 +132,223 @@ double gb_per_s(std::size_t bytes, cudamem::stream_view s, const std::function<v
   return static_cast<double>(bytes) / (cudamem::elapsed_ms(start, stop) * 1e6);
 }
 
+
+// --- (3) and (4): pageable copies -------------------------------------------------------------
+
+constexpr std::size_t kib = 1024;
+constexpr std::size_t mib = 1024 * kib;
+
+/// Ordinary host memory, page-aligned (cudaHostRegister pins whole pages) and touched, so that
+/// no copy pays for first-touch page faults.
+class pageable_memory {
+ public:
+  explicit pageable_memory(std::size_t bytes)
+      : bytes_((bytes + 4095) / 4096 * 4096),
+        data_(static_cast<unsigned char*>(std::aligned_alloc(4096, bytes_)), &std::free) {
+    if (data_ == nullptr) {
+      throw std::bad_alloc();
+    }
+    std::memset(data_.get(), 1, bytes_);
+  }
+  [[nodiscard]] unsigned char* data() const noexcept { return data_.get(); }
+
+ private:
+  std::size_t bytes_;
+  std::unique_ptr<unsigned char, decltype(&std::free)> data_;
+};
+
+/// GB/s of `reps` runs of `op`, each followed by a stream synchronisation, by the wall clock.
+double wall_gb_per_s(std::size_t bytes, int reps, cudamem::stream_view s,
+                     const std::function<void()>& op) {
+  s.synchronize();
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < reps; ++i) {
+    op();
+    s.synchronize();
+  }
+  const auto stop = std::chrono::steady_clock::now();
+  const double seconds = std::chrono::duration<double>(stop - start).count();
+  return static_cast<double>(bytes) * reps / (seconds * 1e9);
+}
+
+struct named_op {
+  std::string name;
+  std::function<void()> op;
+};
+
+/// Per-kind GB/s samples over `rounds` interleaved rounds (kind order reversed every other
+/// round), after one warm-up round.
+std::vector<std::vector<double>> interleaved(const std::vector<named_op>& kinds, std::size_t bytes,
+                                             int reps, int rounds, cudamem::stream_view s) {
+  std::vector<std::vector<double>> samples(kinds.size());
+  for (int round = -1; round < rounds; ++round) {
+    for (std::size_t j = 0; j < kinds.size(); ++j) {
+      const std::size_t k = round % 2 == 0 ? j : kinds.size() - 1 - j;
+      const double rate = wall_gb_per_s(bytes, reps, s, kinds[k].op);
+      if (round >= 0) {
+        samples[k].push_back(rate);
+      }
+    }
+  }
+  return samples;
+}
+
+std::string size_name(std::size_t bytes) {
+  if (bytes >= 1024 * mib) {
+    return std::to_string(bytes / (1024 * mib)) + " GiB";
+  }
+  return bytes >= mib ? std::to_string(bytes / mib) + " MiB" : std::to_string(bytes / kib) + " KiB";
+}
+
+/// (3): every size, both ways; returns false if a target of issue 31 is missed.
+bool pageable_by_size(cudamem::stream_view s, int rounds) {
+  constexpr std::size_t largest = 1024 * mib;
+  pageable_memory host(largest);
+  cudamem::pinned_buffer<unsigned char> pinned(largest, static_cast<unsigned char>(2));
+  cudamem::device_buffer<unsigned char> device(largest, static_cast<unsigned char>(3), s);
+  cudamem::copy_stager& stager = cudamem::default_copy_stager();
+  const cudamem::copy_stager_options o = stager.options();
+  std::printf("\n(3) pageable <-> device by size: wall GB/s (call to cudaStreamSynchronize), "
+              "medians of interleaved rounds; ratios: medians of per-round ratios\n"
+              "    direct_copy_max_bytes %zu; default stager: chunk_bytes %zu, chunk_count %u, "
+              "threads %u\n",
+              cudamem::direct_copy_max_bytes(), o.chunk_bytes, o.chunk_count, o.threads);
+  bool ok = true;
+  for (const bool up : {true, false}) {
+    std::printf("\n%s\n%-8s %9s %9s %8s %9s %8s %9s %8s %9s %8s\n",
+                up ? "host -> device (H2D)" : "device -> host (D2H)", "size", "raw", "copy",
+                "copy/raw", "stager", "stg/raw", "pinned", "copy/pin", "register", "reg/raw");
+    for (std::size_t bytes = 4 * kib; bytes <= largest; bytes *= 4) {
+      unsigned char* d = device.data();
+      unsigned char* h = host.data();
+      unsigned char* p = pinned.data();
+      const cudaMemcpyKind kind = up ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
+      // One plain copy between device memory and host memory `mem`, the way `up` says.
+      const auto raw = [=](void* dev, void* mem) {
+        return up ? cudaMemcpyAsync(dev, mem, bytes, kind, s.get())
+                  : cudaMemcpyAsync(mem, dev, bytes, kind, s.get());
+      };
+      const std::vector<named_op> kinds = {
+          {"raw", [=] { cudamem::check(raw(d, h), "raw pageable copy"); }},
+          {"copy",
+           [=, &s] {
+             const cudamem::device_span<unsigned char> dev{d, bytes};
+             const gsl::span<unsigned char> mem{h, bytes};
+             if (up) {
+               cudamem::copy(dev, mem, s);
+             } else {
+               cudamem::copy(mem, dev, s);
+             }
+           }},
+          {"stager",
+           [=, &stager] {
+             if (up) {
+               stager.copy_to_device(d, h, bytes, s);
+             } else {
+               stager.copy_to_host(h, d, bytes, s);
+             }
+           }},
+          {"pinned", [=] { cudamem::check(raw(d, p), "raw pinned copy"); }},
+          {"register",
+           [=] {
+             cudamem::check(cudaHostRegister(h, bytes, cudaHostRegisterDefault),
+                            "cudaHostRegister");
+             cudamem::check(raw(d, h), "copy of registered memory");
+             cudamem::check(cudaStreamSynchronize(s.get()), "cudaStreamSynchronize");
+             cudamem::check(cudaHostUnregister(h), "cudaHostUnregister");
+           }},
+      };
+      const int reps = static_cast<int>(std::clamp<std::size_t>(16 * mib / bytes, 1, 1024));
+      const int size_rounds = bytes >= largest ? std::min(rounds, 7) : rounds;
+      const auto samples = interleaved(kinds, bytes, reps, size_rounds, s);
+      const auto ratio = [&](std::size_t k, std::size_t base) {
+        return paired_samples{samples[base], samples[k]}.ratio();
+      };
+      const double copy_vs_raw = ratio(1, 0);
+      std::printf("%-8s %9.2f %9.2f %8.3f %9.2f %8.3f %9.2f %8.3f %9.2f %8.3f\n",
+                  size_name(bytes).c_str(), median(samples[0]), median(samples[1]), copy_vs_raw,
+                  median(samples[2]), ratio(2, 0), median(samples[3]), ratio(1, 3),
+                  median(samples[4]), ratio(4, 0));
+      if ((bytes >= 64 * mib && copy_vs_raw < 2.0) || (bytes <= mib && copy_vs_raw < 0.95)) {
+        std::printf("         ^ BELOW TARGET (%s)\n",
+                    bytes >= 64 * mib ? ">= 2x raw" : ">= 0.95x raw");
+        ok = false;
+      }
+    }
+  }
+
+  std::printf("\n    what pinning the user's memory costs: cudaHostRegister / cudaHostUnregister, "
+              "median of %d\n%-8s %12s %12s %14s\n", rounds, "size", "register ms", "unregister ms",
+              "both ms/GiB");
+  for (const std::size_t bytes : {64 * mib, 256 * mib, largest}) {
+    std::vector<double> reg;
+    std::vector<double> unreg;
+    for (int round = 0; round < std::min(rounds, 9); ++round) {
+      const auto t0 = std::chrono::steady_clock::now();
+      cudamem::check(cudaHostRegister(host.data(), bytes, cudaHostRegisterDefault),
+                     "cudaHostRegister");
+      const auto t1 = std::chrono::steady_clock::now();
+      cudamem::check(cudaHostUnregister(host.data()), "cudaHostUnregister");
+      const auto t2 = std::chrono::steady_clock::now();
+      reg.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+      unreg.push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
+    }
+    const double gib = static_cast<double>(bytes) / static_cast<double>(1024 * mib);
+    std::printf("%-8s %12.2f %12.2f %14.1f\n", size_name(bytes).c_str(), median(reg), median(unreg),
+                (median(reg) + median(unreg)) / gib);
+  }
+  return ok;
+}
+
+/// (4): threads x chunk_bytes at 256 MiB, each way, beside raw pageable.
+void stager_sweep(cudamem::stream_view s, int rounds) {
+  constexpr std::size_t bytes = 256 * mib;
+  pageable_memory host(bytes);
+  cudamem::device_buffer<unsigned char> device(bytes, static_cast<unsigned char>(3), s);
+  const unsigned thread_counts[] = {1, 2, 4, 6, 8};
+  const std::size_t chunk_sizes[] = {1 * mib, 2 * mib, 4 * mib, 8 * mib, 16 * mib};
+  std::vector<std::unique_ptr<cudamem::copy_stager>> stagers;
+  std::vector<std::string> names;
+  for (const unsigned t : thread_counts) {
+    for (const std::size_t c : chunk_sizes) {
+      stagers.push_back(std::make_unique<cudamem::copy_stager>(
+          -1, cudamem::copy_stager_options{.chunk_bytes = c, .chunk_count = 4, .threads = t}));
+      names.push_back(std::to_string(t) + " threads, " + size_name(c));
+    }
+  }
+  std::printf("\n(4) copy_stager at 256 MiB by threads x chunk_bytes (chunk_count 4): median GB/s; "
+              "ratio: median per-round ratio to raw pageable\n%-24s %9s %8s %9s %8s\n", "",
+              "H2D GB/s", "ratio", "D2H GB/s", "ratio");
+  unsigned char* d = device.data();
+  unsigned char* h = host.data();
+  std::vector<std::vector<double>> results[2];
+  for (const bool up : {true, false}) {
+    std::vector<named_op> kinds = {
+        {"raw pageable", [=] {
+           cudamem::check(up ? cudaMemcpyAsync(d, h, bytes, cudaMemcpyHostToDevice, s.get())
+                             : cudaMemcpyAsync(h, d, bytes, cudaMemcpyDeviceToHost, s.get()));
+         }}};
+    for (std::size_t i = 0; i < stagers.size(); ++i) {
+      cudamem::copy_stager* stager = stagers[i].get();
+      kinds.push_back({names[i], [=] {
+                         if (up) {
+                           stager->copy_to_device(d, h, bytes, s);
+                         } else {
+                           stager->copy_to_host(h, d, bytes, s);
+                         }
+                       }});
+    }
+    results[up ? 0 : 1] = interleaved(kinds, bytes, 1, rounds, s);
+  }
+  for (std::size_t k = 0; k <= stagers.size(); ++k) {
+    const auto& up = results[0];
+    const auto& down = results[1];
+    std::printf("%-24s %9.2f %8.3f %9.2f %8.3f\n", k == 0 ? "raw pageable" : names[k - 1].c_str(),
+                median(up[k]), paired_samples{up[0], up[k]}.ratio(), median(down[k]),
+                paired_samples{down[0], down[k]}.ratio());
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -118,21 +359,33 @@ int main(int argc, char** argv) {
                 code != cudaSuccess ? cudaGetErrorName(code) : "0 devices");
     return 69;
   }
-  const int rounds = std::max(5, argc > 1 ? std::atoi(argv[1]) : 15);  // interleaved rounds
+  int rounds = 15;  // interleaved rounds
+  bool copies_only = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string_view(argv[i]) == "--copies-only") {
+      copies_only = true;
+    } else {
+      rounds = std::atoi(argv[i]);
+    }
+  }
+  rounds = std::max(5, rounds);
   const cudamem::device_properties props = cudamem::get_device_properties(0);
   std::printf("bench_buffers on %s, %d interleaved rounds (after a warm-up round)\n\n",
               props.name.c_str(), rounds);
 
   cudamem::stream s{{.non_blocking = true}};
 
-  std::printf("(1) device_buffer<float>(1 MiB) construct+destroy vs the resource's own calls: "
-              "median ns/op; ratio: median over rounds of device_buffer / raw\n");
-  std::printf("%-18s %14s %18s %8s\n", "resource", "raw ns/op", "device_buffer ns/op", "ratio");
-  {
-    cudamem::async_resource pool{{.release_threshold = std::numeric_limits<std::uint64_t>::max()}};
-    owner_overhead(pool, s, rounds, 20000);
-    cudamem::device_resource plain;
-    owner_overhead(plain, s, rounds, 2000);
+  if (!copies_only) {
+    std::printf("(1) device_buffer<float>(1 MiB) construct+destroy vs the resource's own calls: "
+                "median ns/op; ratio: median over rounds of device_buffer / raw\n");
+    std::printf("%-18s %14s %18s %8s\n", "resource", "raw ns/op", "device_buffer ns/op", "ratio");
+    {
+      cudamem::async_resource pool{
+          {.release_threshold = std::numeric_limits<std::uint64_t>::max()}};
+      owner_overhead(pool, s, rounds, 20000);
+      cudamem::device_resource plain;
+      owner_overhead(plain, s, rounds, 2000);
+    }
   }
 
   constexpr std::size_t n = (std::size_t{256} << 20) / sizeof(float);
@@ -191,5 +444,12 @@ int main(int argc, char** argv) {
   const bool ok = up_ratio[1] >= 0.95 && down_ratio[1] >= 0.95;
   std::printf("\npinned copy vs raw: %s (target >= 0.95 each way, median of per-round ratios)\n",
               ok ? "ok" : "BELOW TARGET");
+  std::printf("staged std::vector copy as a fraction of raw pinned: %.3f H2D, %.3f D2H\n",
+              up_ratio[2], down_ratio[2]);
+
+  const bool targets = pageable_by_size(s, rounds);
+  std::printf("\nissue 31 targets (cudamem::copy vs raw pageable: >= 2x from 64 MiB, >= 0.95x "
+              "for 4 KiB - 1 MiB): %s\n", targets ? "ok" : "BELOW TARGET (marked above)");
+  stager_sweep(s, rounds);
   return 0;
 }

@@ -26,7 +26,11 @@
 //   CUDA call. Zero elements is a no-op (no CUDA call).
 // - The copy is one cudaMemcpyAsync on `stream` with cudaMemcpyDefault: unified addressing
 //   lets CUDA see where each pointer lives, which also covers managed memory and a
-//   device_buffer over pinned memory; the types decide what is accepted.
+//   device_buffer over pinned memory; the types decide what is accepted. Except: a copy of
+//   more than `direct_copy_max_bytes()` (1 MiB, provisional) between pageable host memory and
+//   device memory is staged through `default_copy_stager()` of the stream's device
+//   (copy_stager.hpp: pinned chunks kept for reuse, a few host threads, DMA overlapped with
+//   the host's memcpy; several times the driver's pageable speed). Same timing as below.
 // - Between devices: device-side operands may live on different GPUs (device_buffers of two
 //   devices' resources, vm memory mapped for a peer). It is the same single cudaMemcpyAsync:
 //   unified addressing makes it a peer copy, direct over NVLink or PCIe when the devices have a
@@ -51,6 +55,7 @@
 // - CUDA errors throw `cuda_error`.
 #pragma once
 
+#include <cudamem/copy_stager.hpp>
 #include <cudamem/detail/cuda/stream_ops.hpp>
 #include <cudamem/device_buffer.hpp>
 #include <cudamem/device_span.hpp>
@@ -140,7 +145,12 @@ void copy(Dst&& dst, Src&& src, stream_view stream) {
                                 detail::side_name(from.side) + " source has " +
                                 std::to_string(from.size));
   }
-  detail::copy_bytes(to.data, from.data, to.size * sizeof(to_element), stream);
+  const std::size_t bytes = to.size * sizeof(to_element);
+  if (to.side != from.side) {
+    detail::copy_host_device(to.data, from.data, bytes, stream);  // staged when it pays
+  } else {
+    detail::copy_bytes(to.data, from.data, bytes, stream);
+  }
 }
 
 /// Copies `src` into `dst` on `stream` once the work submitted to `after` so far is done (for

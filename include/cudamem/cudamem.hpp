@@ -8,6 +8,7 @@
 #include <cudamem/cccl_span.hpp>
 #include <cudamem/context.hpp>
 #include <cudamem/copy.hpp>
+#include <cudamem/copy_stager.hpp>
 #include <cudamem/cub_temp_storage.hpp>
 #include <cudamem/current_resource.hpp>
 #include <cudamem/device.hpp>

@@ -9,10 +9,16 @@
 //   so they run last: after a runtime that registers its own teardown at initialisation.
 // - function-local statics are constructed in main, after the runtime initialised; they die
 //   before its teardown.
+// The default copy stager (copy_stager.hpp) is made by a staged copy in main: at exit its
+// chunks are freed and its threads joined by the std::atexit handler it registers, and a
+// staged-size copy made later in exit (the destructor of `copy_at_exit`, registered before
+// that handler, so it runs after it) must go direct, with no thread started again.
 // Any error report during exit ends the process with code 3 (so ctest sees it even if the
 // text were lost); a crash is a signal. Success is exit code 0 and no output but one line.
 #include <cudamem/async_resource.hpp>
 #include <cudamem/context.hpp>
+#include <cudamem/copy.hpp>
+#include <cudamem/copy_stager.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/device_buffer.hpp>
 #include <cudamem/device_resource.hpp>
@@ -27,6 +33,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -56,6 +63,19 @@ struct late_owners {
   cudamem::device_buffer<float> buffer{std::size_t{1} << 20, stream.view(), pool};
 };
 
+/// Copies the late buffer to the host in its destructor, during exit.
+struct copy_at_exit {
+  late_owners& from;
+  ~copy_at_exit() {
+    std::vector<float> host(from.buffer.size());
+    cudamem::copy(host, from.buffer, from.stream);  // 4 MiB: staged size, but stagers retired
+    if (host[0] != 2.0f || cudamem::default_copy_stager().stats().worker_threads != 0) {
+      std::fprintf(stderr, "copy_at_exit: wrong data or a worker thread started at exit\n");
+      std::_Exit(4);
+    }
+  }
+};
+
 }  // namespace
 
 int main() {
@@ -82,6 +102,17 @@ int main() {
   cudamem::check(cudaMemsetAsync(late.buffer.data(), 0, late.buffer.size_bytes(),
                                  late.stream.get()));
   late.event.record(late.stream);
+  static copy_at_exit copier{late};
+
+  // A staged copy each way (4 MiB > direct_copy_max_bytes): the default stager now holds
+  // pinned chunks and worker threads, left for exit to clean up.
+  std::vector<float> host(late.buffer.size(), 2.0f);
+  cudamem::copy(late.buffer, host, late.stream);
+  cudamem::copy(host, late.buffer, late.stream);
+  if (cudamem::default_copy_stager().stats().staged_copies != 2) {
+    std::printf("the copies were not staged\n");
+    return 5;
+  }
 
   // Work still in flight at exit, as in a real program that returns without synchronising.
   std::printf("static owners created; exiting without cleanup\n");

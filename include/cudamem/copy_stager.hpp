@@ -1,0 +1,539 @@
+// cudamem/copy_stager.hpp — copies between ordinary (pageable) host memory and device memory
+// at several times the driver's pageable speed: the data goes through a few pinned chunks that
+// are kept for reuse, a few host threads share each chunk's memcpy, and each chunk's DMA runs
+// on the copy's stream while the next chunk is being copied on the host.
+//
+//   #include <cudamem/copy_stager.hpp>
+//
+//   std::vector<float> host(n);
+//   cudamem::device_buffer<float> dev(n, s);
+//   cudamem::copy(dev, host, s);        // copy.hpp: above 1 MiB it is staged, by itself
+//
+//   // Explicit use, and the knobs:
+//   cudamem::copy_stager& stager = cudamem::default_copy_stager();   // the current device's
+//   stager.set_options({.chunk_bytes = 8 << 20, .chunk_count = 4, .threads = 4});
+//   stager.copy_to_device(dev.data(), host.data(), n * sizeof(float), s);
+//   stager.copy_to_host(host.data(), dev.data(), n * sizeof(float), s);
+//   stager.release();                   // pinned chunks back to CUDA, worker threads joined
+//   cudamem::set_direct_copy_max_bytes(SIZE_MAX);    // cudamem::copy: never stage
+//
+// Why. The driver copies pageable memory by staging it itself, through a small pinned buffer,
+// one piece at a time, on one thread: 10 GB/s to an H100 and 17 GB/s from it, where pinned
+// memory moves at 55 GB/s. Pinning the user's memory (cudaHostRegister) costs more than the
+// copy unless the memory is copied many times; copying through chunks pinned once does not.
+//
+// Contract
+// - `copy_to_device(dst, src, bytes, stream)` / `copy_to_host(dst, src, bytes, stream)`: `src` /
+//   `dst` on the host may be any host memory (pageable memory is what it is for); the other
+//   side is memory the GPU can copy to or from (device memory). Same semantics as a pageable
+//   cudaMemcpyAsync: work submitted to `stream` before the call is finished before the data is
+//   read (copy_to_host) or written (copy_to_device) on the device; when the call returns the
+//   host source may be reused (copy_to_device) and the host destination holds the data
+//   (copy_to_host). Work submitted to `stream` after the call sees the data on the device.
+//   0 bytes does nothing; a null pointer with bytes > 0 throws std::invalid_argument.
+// - `stream` must belong to the stager's device (events are recorded on it), or be a default
+//   stream while that device is current. `default_copy_stager()` is chosen that way by copy().
+// - Pinned memory is bounded: at most `chunk_count` chunks of `chunk_bytes`, allocated on first
+//   use and kept (a cudaHostAlloc of 4 MiB costs ~2 ms: paying it per copy would undo the
+//   gain) until `release()`, `set_options()` or the stager's destruction. A copy splits into
+//   stages of at most chunk_bytes (smaller ones for short copies, so that even a 2 MiB copy
+//   has 4 stages to overlap) and uses up to chunk_count chunks in turn; a chunk is written
+//   again only after the event recorded behind its previous DMA has passed.
+// - Threads: each stage's memcpy is shared by the calling thread and up to `threads - 1`
+//   worker threads (started on first use, joined by release() and the destructor). Several
+//   threads may copy through one stager at once: each copy holds its own chunks (a copy that
+//   finds none free waits for one), and the workers serve every copy.
+// - Failure part-way (no pinned memory, a CUDA error from a copy or an event): the call throws
+//   that error (`out_of_memory`, `cuda_error`), and before it does, no worker still touches the
+//   user's memory and every chunk the copy held is back with the stager — after waiting for
+//   `stream`, so no DMA into a chunk is still in flight; if that wait fails too, the chunks
+//   are freed instead of kept. The data of a failed copy is unspecified.
+// - Options are checked: chunk_bytes from 64 KiB to 1 GiB and a multiple of 4 KiB,
+//   chunk_count 1-64, threads 1-64, at most 4 GiB pinned in all; otherwise
+//   std::invalid_argument naming the field. `set_options` and `release` wait for copies in
+//   progress through this stager, then free its chunks and join its workers.
+// - Stream capture: a copy on a capturing stream is not staged by cudamem::copy (host waits
+//   cannot be captured); the stager itself refuses nothing, so don't call it there.
+// - `default_copy_stager(device)`: one per device, made on first use, never destroyed (copies
+//   from static destructors stay legal); at exit (std::atexit, registered when the first is
+//   made) their chunks are freed and their threads joined, and copies after that go direct.
+//   `release_default_copy_stagers()` does the same now, without retiring them.
+// - `direct_copy_max_bytes()`: cudamem::copy (and device_buffer's constructor from a host
+//   range) copy at most this many bytes with one plain cudaMemcpyAsync; larger copies between
+//   pageable host memory and device memory are staged through `default_copy_stager` of the
+//   stream's device. Default 1 MiB — PROVISIONAL, to be set from bench_buffers on the H100.
+#pragma once
+
+#include <cudamem/detail/copy/memcpy_workers.hpp>
+#include <cudamem/detail/copy/transfer_engine.hpp>
+#include <cudamem/detail/cuda/cuda_upstream.hpp>
+#include <cudamem/detail/cuda/stream_ops.hpp>
+#include <cudamem/device.hpp>
+#include <cudamem/error.hpp>
+#include <cudamem/stream.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace cudamem {
+
+/// How a copy_stager stages; see the contract for the allowed ranges.
+struct copy_stager_options {
+  std::size_t chunk_bytes = std::size_t{4} << 20;  // one stage's pinned chunk
+  unsigned chunk_count = 4;                         // chunks held at most (pipeline depth)
+  unsigned threads = 4;                             // host threads per memcpy, caller included
+};
+
+/// What a stager holds and does now.
+struct copy_stager_stats {
+  std::size_t chunks_allocated = 0;     // pinned chunks held (in use or idle)
+  std::size_t pinned_bytes = 0;         // their bytes
+  std::size_t chunks_in_use = 0;        // held by copies running now
+  std::size_t copies_in_progress = 0;   // staged copies running now
+  std::size_t memcpy_pieces_in_flight = 0;  // host memcpy pieces queued or being copied
+  unsigned worker_threads = 0;          // worker threads alive
+  std::uint64_t staged_copies = 0;      // copies done since construction (any outcome)
+};
+
+class copy_stager {
+ public:
+  /// A stager for copies on streams of `device` (-1: the current device).
+  explicit copy_stager(int device = -1, const copy_stager_options& options = {})
+      : copy_stager(std::make_unique<detail::cuda_transfer_engine>(detail::resolve_device(device)),
+                    options) {}
+
+  /// A stager over any engine (tests give it a fake one).
+  explicit copy_stager(std::unique_ptr<detail::transfer_engine> engine,
+                       const copy_stager_options& options = {})
+      : options_(validated(options)), engine_(std::move(engine)), slots_(options_.chunk_count) {
+    if (engine_ == nullptr) {
+      throw std::invalid_argument("cudamem::copy_stager: the transfer engine is null");
+    }
+  }
+
+  copy_stager(const copy_stager&) = delete;
+  copy_stager& operator=(const copy_stager&) = delete;
+
+  /// Waits for copies in progress, frees the chunks, joins the workers.
+  ~copy_stager() { release(); }
+
+  /// Copies `bytes` from host memory `src` to device memory `dst` in stream order on `stream`;
+  /// `src` may be reused when it returns.
+  void copy_to_device(void* dst, const void* src, std::size_t bytes, stream_view stream) {
+    if (bytes == 0) {
+      return;
+    }
+    check_pointers(dst, src, "copy_to_device");
+    run_copy(static_cast<unsigned char*>(dst), static_cast<const unsigned char*>(src), bytes,
+             stream, direction::to_device);
+  }
+
+  /// Copies `bytes` from device memory `src` to host memory `dst` after the work already on
+  /// `stream`; `dst` holds the data when it returns.
+  void copy_to_host(void* dst, const void* src, std::size_t bytes, stream_view stream) {
+    if (bytes == 0) {
+      return;
+    }
+    check_pointers(dst, src, "copy_to_host");
+    run_copy(static_cast<unsigned char*>(dst), static_cast<const unsigned char*>(src), bytes,
+             stream, direction::to_host);
+  }
+
+  [[nodiscard]] copy_stager_options options() const {
+    const std::lock_guard lock{mutex_};
+    return options_;
+  }
+
+  /// New options, once the copies in progress are done; the chunks are freed (the next copy
+  /// allocates chunks of the new size) and the workers joined.
+  void set_options(const copy_stager_options& options) {
+    const copy_stager_options checked = validated(options);
+    std::vector<chunk_slot> fresh(checked.chunk_count);  // before anything changes: may throw
+    std::unique_lock lock{mutex_};
+    idle_.wait(lock, [this] { return copies_in_progress_ == 0; });
+    free_chunks(lock);
+    workers_.stop();
+    options_ = checked;
+    slots_.swap(fresh);
+  }
+
+  /// Frees every chunk and joins the workers, once the copies in progress are done. The next
+  /// copy starts over (allocating chunks and starting threads again).
+  void release() noexcept {
+    std::unique_lock lock{mutex_};
+    idle_.wait(lock, [this] { return copies_in_progress_ == 0; });
+    free_chunks(lock);
+    workers_.stop();
+  }
+
+  [[nodiscard]] copy_stager_stats stats() const {
+    copy_stager_stats s;
+    {
+      const std::lock_guard lock{mutex_};
+      for (const chunk_slot& slot : slots_) {
+        if (slot.memory != nullptr) {
+          ++s.chunks_allocated;
+          s.pinned_bytes += options_.chunk_bytes;
+          s.chunks_in_use += slot.taken ? 1 : 0;
+        }
+      }
+      s.copies_in_progress = copies_in_progress_;
+      s.staged_copies = staged_copies_;
+    }
+    s.memcpy_pieces_in_flight = workers_.pieces_in_flight();
+    s.worker_threads = workers_.threads();
+    return s;
+  }
+
+ private:
+  enum class direction { to_device, to_host };
+
+  struct chunk_slot {
+    unsigned char* memory = nullptr;
+    detail::transfer_engine::fence done = nullptr;  // recorded behind the chunk's last DMA
+    bool fence_pending = false;  // `done` was recorded and not yet waited for
+    bool taken = false;          // held by a copy now
+  };
+
+  /// The chunks one copy holds, and what it must undo if it fails (see the contract).
+  class held_chunks {
+   public:
+    held_chunks(copy_stager& owner, std::vector<std::size_t> slots, stream_view stream)
+        : owner_(owner), slots_(std::move(slots)), stream_(stream) {}
+    held_chunks(const held_chunks&) = delete;
+    held_chunks& operator=(const held_chunks&) = delete;
+    ~held_chunks() { owner_.give_back(slots_, stream_, succeeded_); }
+
+    [[nodiscard]] std::size_t count() const noexcept { return slots_.size(); }
+    [[nodiscard]] chunk_slot& operator[](std::size_t i) noexcept {
+      return owner_.slots_[slots_[i % slots_.size()]];  // the slot's fields are this copy's
+    }
+    void succeeded() noexcept { succeeded_ = true; }
+
+   private:
+    copy_stager& owner_;
+    std::vector<std::size_t> slots_;
+    stream_view stream_;
+    bool succeeded_ = false;
+  };
+
+  static copy_stager_options validated(const copy_stager_options& o) {
+    const auto refuse = [](const std::string& what) {
+      throw std::invalid_argument("cudamem::copy_stager: " + what);
+    };
+    constexpr std::size_t kib = 1024;
+    if (o.chunk_bytes < 64 * kib || o.chunk_bytes > (std::size_t{1} << 30) ||
+        o.chunk_bytes % (4 * kib) != 0) {
+      refuse("chunk_bytes is " + std::to_string(o.chunk_bytes) +
+             "; it must be a multiple of 4 KiB from 64 KiB to 1 GiB");
+    }
+    if (o.chunk_count < 1 || o.chunk_count > 64) {
+      refuse("chunk_count is " + std::to_string(o.chunk_count) + "; it must be 1 to 64");
+    }
+    if (o.threads < 1 || o.threads > 64) {
+      refuse("threads is " + std::to_string(o.threads) + "; it must be 1 to 64");
+    }
+    if (o.chunk_bytes * o.chunk_count > (std::size_t{4} << 30)) {
+      refuse("chunk_bytes * chunk_count is " + std::to_string(o.chunk_bytes * o.chunk_count) +
+             " bytes; at most 4 GiB may be pinned for staging");
+    }
+    return o;
+  }
+
+  static void check_pointers(const void* dst, const void* src, const char* what) {
+    if (dst == nullptr || src == nullptr) {
+      throw std::invalid_argument(std::string("cudamem::copy_stager::") + what + ": the " +
+                                  (dst == nullptr ? "destination" : "source") + " is null");
+    }
+  }
+
+  /// Stage size for a copy of `bytes`: the chunk, or less so that a short copy still has
+  /// chunk_count stages to overlap (never below 256 KiB, where a stage costs more than it hides).
+  static std::size_t stage_bytes(std::size_t bytes, const copy_stager_options& o) {
+    constexpr std::size_t smallest = std::size_t{256} << 10;
+    const std::size_t even = (bytes / o.chunk_count + 4095) / 4096 * 4096;
+    return std::min(o.chunk_bytes, std::max(smallest, even));
+  }
+
+  void run_copy(unsigned char* dst, const unsigned char* src, std::size_t bytes,
+                stream_view stream, direction way) {
+    copy_stager_options o;
+    std::vector<std::size_t> taken;
+    {
+      std::unique_lock lock{mutex_};
+      o = options_;
+      const std::size_t stage = stage_bytes(bytes, o);
+      const std::size_t stages = (bytes + stage - 1) / stage;
+      const std::size_t wanted = std::min<std::size_t>(stages, o.chunk_count);
+      chunk_freed_.wait(lock, [this] { return free_slot_count() > 0; });
+      for (std::size_t i = 0; i < slots_.size() && taken.size() < wanted; ++i) {
+        if (!slots_[i].taken) {
+          taken.push_back(i);  // if this throws, nothing is marked taken yet
+        }
+      }
+      for (const std::size_t i : taken) {
+        slots_[i].taken = true;
+      }
+      ++copies_in_progress_;
+      ++staged_copies_;
+    }
+    held_chunks chunks(*this, std::move(taken), stream);
+    allocate_missing(chunks, o.chunk_bytes);
+    const std::size_t stage = stage_bytes(bytes, o);
+    const std::size_t stages = (bytes + stage - 1) / stage;
+    const auto length = [&](std::size_t i) { return std::min(stage, bytes - i * stage); };
+    if (way == direction::to_device) {
+      for (std::size_t i = 0; i < stages; ++i) {
+        chunk_slot& chunk = chunks[i];
+        settle(chunk);  // its previous DMA has read it
+        workers_.copy(chunk.memory, src + i * stage, length(i), o.threads);
+        enqueue_dma(chunk, dst + i * stage, chunk.memory, length(i), stream);
+      }
+    } else {
+      const std::size_t ahead = chunks.count();
+      for (std::size_t i = 0; i < std::min(ahead, stages); ++i) {
+        settle(chunks[i]);
+        enqueue_dma(chunks[i], chunks[i].memory, src + i * stage, length(i), stream);
+      }
+      for (std::size_t i = 0; i < stages; ++i) {
+        chunk_slot& chunk = chunks[i];
+        settle(chunk);  // its DMA has landed
+        workers_.copy(dst + i * stage, chunk.memory, length(i), o.threads);
+        if (i + ahead < stages) {
+          enqueue_dma(chunk, chunk.memory, src + (i + ahead) * stage, length(i + ahead), stream);
+        }
+      }
+    }
+    chunks.succeeded();
+  }
+
+  std::size_t free_slot_count() const noexcept {
+    return static_cast<std::size_t>(
+        std::count_if(slots_.begin(), slots_.end(), [](const chunk_slot& s) { return !s.taken; }));
+  }
+
+  /// Pinned memory and an event for every held chunk that has none yet (outside the lock:
+  /// cudaHostAlloc takes milliseconds). On failure the caller's held_chunks gives them back.
+  void allocate_missing(held_chunks& chunks, std::size_t chunk_bytes) {
+    for (std::size_t i = 0; i < chunks.count(); ++i) {
+      chunk_slot& slot = chunks[i];
+      if (slot.memory != nullptr) {
+        continue;
+      }
+      detail::transfer_engine::fence done = engine_->make_fence();
+      void* memory = nullptr;
+      try {
+        memory = engine_->allocate_chunk(chunk_bytes);
+      } catch (...) {
+        engine_->destroy_fence(done);
+        throw;
+      }
+      const std::lock_guard lock{mutex_};  // stats() reads `memory`
+      slot.memory = static_cast<unsigned char*>(memory);
+      slot.done = done;
+      slot.fence_pending = false;
+    }
+  }
+
+  /// Waits until the chunk's last DMA is done.
+  void settle(chunk_slot& chunk) {
+    if (chunk.fence_pending) {
+      engine_->wait(chunk.done);
+      chunk.fence_pending = false;
+    }
+  }
+
+  void enqueue_dma(chunk_slot& chunk, void* dst, const void* src, std::size_t bytes,
+                   stream_view stream) {
+    engine_->copy_async(dst, src, bytes, stream);
+    engine_->record(chunk.done, stream);
+    chunk.fence_pending = true;
+  }
+
+  /// Returns a copy's chunks. After a failure the stream is waited for first (a DMA may still
+  /// be writing or reading a chunk with no fence behind it); if that fails, they are freed.
+  void give_back(const std::vector<std::size_t>& held, stream_view stream,
+                 bool succeeded) noexcept {
+    const bool settled = succeeded || engine_->synchronize(stream);
+    {
+      const std::lock_guard lock{mutex_};
+      for (const std::size_t i : held) {
+        chunk_slot& slot = slots_[i];
+        if (!succeeded) {
+          slot.fence_pending = false;
+          if (!settled && slot.memory != nullptr) {
+            engine_->deallocate_chunk(slot.memory, options_.chunk_bytes);
+            engine_->destroy_fence(slot.done);
+            slot.memory = nullptr;
+            slot.done = nullptr;
+          }
+        }
+        slot.taken = false;
+      }
+      --copies_in_progress_;
+    }
+    chunk_freed_.notify_all();
+    idle_.notify_all();
+  }
+
+  /// Frees every chunk; called with the lock held and no copy in progress.
+  void free_chunks(std::unique_lock<std::mutex>& /*held*/) noexcept {
+    for (chunk_slot& slot : slots_) {
+      if (slot.memory == nullptr) {
+        continue;
+      }
+      if (slot.fence_pending) {
+        try {
+          engine_->wait(slot.done);  // an upload may still read it
+        } catch (const std::exception&) {  // reported by the free below failing, if it does
+        }
+      }
+      engine_->destroy_fence(slot.done);
+      engine_->deallocate_chunk(slot.memory, options_.chunk_bytes);
+      slot = chunk_slot{};
+    }
+  }
+
+  mutable std::mutex mutex_;
+  std::condition_variable chunk_freed_;  // a copy gave its chunks back
+  std::condition_variable idle_;         // ... and copies_in_progress_ may be 0
+  copy_stager_options options_;
+  std::unique_ptr<detail::transfer_engine> engine_;
+  std::vector<chunk_slot> slots_;  // fields of a taken slot belong to the copy holding it
+  std::size_t copies_in_progress_ = 0;
+  std::uint64_t staged_copies_ = 0;
+  detail::memcpy_workers workers_;
+};
+
+// --- when cudamem::copy stages, and the per-device stagers it uses ---------------------------
+
+/// cudamem::copy's threshold by default: PROVISIONAL (1 MiB), to be chosen from bench_buffers.
+inline constexpr std::size_t default_direct_copy_max_bytes = std::size_t{1} << 20;
+
+namespace detail {
+
+inline std::atomic<std::size_t>& direct_copy_limit() noexcept {
+  static std::atomic<std::size_t> limit{default_direct_copy_max_bytes};
+  return limit;
+}
+
+/// The default stagers, one per device; never destroyed (see the contract).
+struct default_stager_table {
+  std::mutex mutex;
+  std::vector<copy_stager*> per_device;
+  std::atomic<bool> retired{false};  // set at exit: copies go direct from then on
+};
+
+inline default_stager_table& default_stagers() {
+  static default_stager_table* const table = new default_stager_table;
+  return *table;
+}
+
+inline void release_stagers(bool retire) noexcept {
+  default_stager_table& table = default_stagers();
+  std::vector<copy_stager*> stagers;
+  {
+    const std::lock_guard lock{table.mutex};
+    if (retire) {
+      table.retired = true;
+    }
+    stagers = table.per_device;  // may throw bad_alloc: noexcept ends the program, as it should
+  }
+  for (copy_stager* stager : stagers) {
+    if (stager != nullptr) {
+      stager->release();
+    }
+  }
+}
+
+inline void retire_default_stagers_at_exit() noexcept { release_stagers(true); }
+
+}  // namespace detail
+
+/// Copies of at most this many bytes are never staged by cudamem::copy.
+[[nodiscard]] inline std::size_t direct_copy_max_bytes() noexcept {
+  return detail::direct_copy_limit().load(std::memory_order_relaxed);
+}
+
+/// Sets cudamem::copy's threshold for every thread (SIZE_MAX: never stage).
+inline void set_direct_copy_max_bytes(std::size_t bytes) noexcept {
+  detail::direct_copy_limit().store(bytes, std::memory_order_relaxed);
+}
+
+/// The stager of `device` (-1: the current one), made on first use; see the contract.
+[[nodiscard]] inline copy_stager& default_copy_stager(int device = -1) {
+  device = detail::resolve_device(device);
+  detail::default_stager_table& table = detail::default_stagers();
+  const std::lock_guard lock{table.mutex};
+  if (table.per_device.size() <= static_cast<std::size_t>(device)) {
+    table.per_device.resize(static_cast<std::size_t>(device) + 1, nullptr);
+  }
+  copy_stager*& stager = table.per_device[static_cast<std::size_t>(device)];
+  if (stager == nullptr) {
+    static const bool registered = std::atexit(&detail::retire_default_stagers_at_exit) == 0;
+    static_cast<void>(registered);
+    stager = new copy_stager(device);
+  }
+  return *stager;
+}
+
+/// Frees every default stager's chunks and joins their threads (they start again if used).
+inline void release_default_copy_stagers() noexcept { detail::release_stagers(false); }
+
+namespace detail {
+
+/// The device whose streams `stream` is: its own, or the current device for a default stream.
+inline int stream_device(stream_view stream) {
+  int device = -1;
+  if (stream.is_default()) {
+    check(cudaGetDevice(&device), "cudaGetDevice");
+  } else {
+    check(cudaStreamGetDevice(stream.get(), &device), "cudaStreamGetDevice");
+  }
+  return device;
+}
+
+/// What cudamem::copy and device_buffer call for a copy with a host side and a device side:
+/// one cudaMemcpyAsync, or a staged copy when it is large and between pageable and device
+/// memory (see the contract).
+inline void copy_host_device(void* dst, const void* src, std::size_t bytes, stream_view stream) {
+  if (bytes <= direct_copy_max_bytes() || default_stagers().retired) {
+    copy_bytes(dst, src, bytes, stream);
+    return;
+  }
+  cudaPointerAttributes to{};
+  cudaPointerAttributes from{};
+  check(cudaPointerGetAttributes(&to, dst), "cudaPointerGetAttributes (copy destination)");
+  check(cudaPointerGetAttributes(&from, src), "cudaPointerGetAttributes (copy source)");
+  const bool upload = from.type == cudaMemoryTypeUnregistered && to.type == cudaMemoryTypeDevice;
+  const bool download = from.type == cudaMemoryTypeDevice && to.type == cudaMemoryTypeUnregistered;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (upload || download) {
+    check(cudaStreamIsCapturing(stream.get(), &capture), "cudaStreamIsCapturing");
+  }
+  if ((!upload && !download) || capture != cudaStreamCaptureStatusNone) {
+    copy_bytes(dst, src, bytes, stream);
+    return;
+  }
+  copy_stager& stager = default_copy_stager(stream_device(stream));
+  if (upload) {
+    stager.copy_to_device(dst, src, bytes, stream);
+  } else {
+    stager.copy_to_host(dst, src, bytes, stream);
+  }
+}
+
+}  // namespace detail
+
+}  // namespace cudamem
