@@ -9,8 +9,8 @@
 // then warns that they "may be used uninitialized" (-Wmaybe-uninitialized). A Release build of
 // code holding std::optional<peer_access> failed that way (issue 30), and std::optional<stream>
 // under the GPU machine's newer g++ at -O2. The owners keep their release paths out of line
-// where that happens (peer_access::end, event::destroy, stream::destroy, device_scope, spare_nodes'
-// destructor); this file is the check that they still compile clean.
+// where that happens (peer_access::end, event::destroy, stream::destroy, device_scope's end,
+// detail::spare_nodes' destructor); this file is the check that they still compile clean.
 #include <cudamem/async_resource.hpp>
 #include <cudamem/context.hpp>
 #include <cudamem/device.hpp>
