@@ -27,7 +27,7 @@
 // - The copy is one cudaMemcpyAsync on `stream` with cudaMemcpyDefault: unified addressing
 //   lets CUDA see where each pointer lives, which also covers managed memory and a
 //   device_buffer over pinned memory; the types decide what is accepted. Except: a copy of
-//   more than `direct_copy_max_bytes()` (1 MiB, provisional) between pageable host memory and
+//   more than `direct_copy_max_bytes()` (1 MiB) between pageable host memory and
 //   device memory is staged through `default_copy_stager()` of the stream's device
 //   (copy_stager.hpp: pinned chunks kept for reuse, a few host threads, DMA overlapped with
 //   the host's memcpy; several times the driver's pageable speed). Same timing as below.

@@ -11,7 +11,7 @@
 //
 //   // Explicit use, and the knobs:
 //   cudamem::copy_stager& stager = cudamem::default_copy_stager();   // the current device's
-//   stager.set_options({.chunk_bytes = 8 << 20, .chunk_count = 4, .threads = 4});
+//   stager.set_options({.chunk_bytes = 4 << 20, .chunk_count = 2, .threads = 2});  // smaller
 //   stager.copy_to_device(dev.data(), host.data(), n * sizeof(float), s);
 //   stager.copy_to_host(host.data(), dev.data(), n * sizeof(float), s);
 //   stager.release();                   // pinned chunks back to CUDA, worker threads joined
@@ -61,7 +61,7 @@
 // - `direct_copy_max_bytes()`: cudamem::copy (and device_buffer's constructor from a host
 //   range) copy at most this many bytes with one plain cudaMemcpyAsync; larger copies between
 //   pageable host memory and device memory are staged through `default_copy_stager` of the
-//   stream's device. Default 1 MiB — PROVISIONAL, to be set from bench_buffers on the H100.
+//   stream's device. Default 1 MiB, measured (default_direct_copy_max_bytes says how).
 #pragma once
 
 #include <cudamem/detail/copy/memcpy_workers.hpp>
@@ -84,15 +84,29 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace cudamem {
 
-/// How a copy_stager stages; see the contract for the allowed ranges.
+/// Host threads per staged memcpy by default: half the machine's hardware threads, 1 to 8.
+/// Why. One thread's memcpy out of pageable memory is about the driver's own staging speed:
+/// measured on the H100's 16-core host at 256 MiB (bench_buffers, section 4), 1 thread 9.9 GB/s
+/// to the device, 2 threads 17.6, 4 threads 25.7, 6 threads 30.2, 8 threads 35.6 (8 MiB
+/// chunks); from the device 9.5 / 17.0 / 28.2 / 35.2 / 42.6. Half the cores leaves the others
+/// to the program; on a small machine the threads would only contend.
+[[nodiscard]] inline unsigned default_copy_threads() noexcept {
+  return std::clamp(std::thread::hardware_concurrency() / 2, 1u, 8u);
+}
+
+/// How a copy_stager stages; see the contract for the allowed ranges. The defaults are the
+/// best row of bench_buffers' threads x chunk sweep on the H100 (bench/README.md): 8 MiB chunks
+/// beat 4 MiB by 4-50% and 16 MiB by 7-22% at 4-8 threads; 4 chunks (32 MiB pinned per device)
+/// keep two or three DMAs queued behind the host's memcpy.
 struct copy_stager_options {
-  std::size_t chunk_bytes = std::size_t{4} << 20;  // one stage's pinned chunk
+  std::size_t chunk_bytes = std::size_t{8} << 20;  // one stage's pinned chunk
   unsigned chunk_count = 4;                         // chunks held at most (pipeline depth)
-  unsigned threads = 4;                             // host threads per memcpy, caller included
+  unsigned threads = default_copy_threads();        // host threads per memcpy, caller included
 };
 
 /// What a stager holds and does now.
@@ -418,7 +432,11 @@ class copy_stager {
 
 // --- when cudamem::copy stages, and the per-device stagers it uses ---------------------------
 
-/// cudamem::copy's threshold by default: PROVISIONAL (1 MiB), to be chosen from bench_buffers.
+/// cudamem::copy's threshold by default: 1 MiB. Measured on the H100 (bench_buffers, section 3,
+/// the stager forced at every size against the driver's pageable copy): to the device, staging
+/// loses at 256 KiB and 1 MiB (0.92x, 0.95x) and wins from 4 MiB (1.08x, then 1.6-2.9x); from
+/// the device it wins at every size (1.08x at 4 KiB, 1.25x at 1 MiB), but below 1 MiB a copy
+/// takes microseconds either way, and one threshold both ways keeps small copies plain CUDA.
 inline constexpr std::size_t default_direct_copy_max_bytes = std::size_t{1} << 20;
 
 namespace detail {

@@ -315,3 +315,20 @@ TEST_CASE("copy_stager: cudamem::copy's threshold is settable", "[copy_stager]")
   set_direct_copy_max_bytes(default_direct_copy_max_bytes);
   CHECK(direct_copy_max_bytes() == std::size_t{1} << 20);
 }
+
+TEST_CASE("copy_stager: the default options are the measured ones", "[copy_stager]") {
+  const copy_stager_options defaults;
+  CHECK(defaults.chunk_bytes == 8u << 20);
+  CHECK(defaults.chunk_count == 4);
+  // Half the hardware threads, at least 1 and at most 8 (copy_stager.hpp says why).
+  const unsigned hardware = std::thread::hardware_concurrency();
+  CHECK(defaults.threads == default_copy_threads());
+  CHECK(default_copy_threads() >= 1);
+  CHECK(default_copy_threads() <= 8);
+  if (hardware >= 2 && hardware <= 16) {
+    CHECK(default_copy_threads() == hardware / 2);
+  }
+  // The defaults pass the stager's own checks (a fake engine: no GPU needed).
+  fixture f{defaults};
+  CHECK(f.stager->options().threads == defaults.threads);
+}
