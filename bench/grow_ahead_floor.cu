@@ -22,6 +22,7 @@
 //   NCCL               a one-rank communicator from ncclCommInitAll and an all-reduce of
 //                      64 MiB (its buffers; where NCCL was found at build time)
 // The table ends with the total and the floor on this device, and their ratio.
+#include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/vm_resource.hpp>
 
@@ -41,12 +42,10 @@ namespace {
 
 constexpr double mib = 1024.0 * 1024.0;
 
+/// The device's free memory once the work queued so far (a step's kernels) has run.
 std::size_t free_now() {
-  cudaDeviceSynchronize();
-  std::size_t free = 0;
-  std::size_t total = 0;
-  cudamem::check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
-  return free;
+  cudamem::check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  return cudamem::device_memory(0).free;
 }
 
 void check_cublas(cublasStatus_t status, const char* what) {
@@ -104,27 +103,19 @@ class meter {
 }  // namespace
 
 int main() {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("bench_grow_ahead_floor: no CUDA device; nothing measured\n");
-    return 0;
+  if (cudamem::device_count() == 0) {
+    std::printf("SKIPPED: no CUDA device\n");
+    return 69;  // every benchmark's "nothing measured" (bench/README.md)
   }
   cudamem::check(cudaSetDevice(0), "cudaSetDevice");
-  const std::size_t before_context = [] {
-    std::size_t free = 0;
-    std::size_t total = 0;
-    cudamem::check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");  // makes the context
-    return free;
-  }();
-  cudaDeviceProp prop{};
+  const cudamem::memory_usage at_start = cudamem::device_memory(0);  // makes the context
+  cudaDeviceProp prop{};  // for the resident threads per SM, which device_properties lacks
   cudamem::check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-  std::size_t total = 0;
-  std::size_t free_at_start = 0;
-  cudamem::check(cudaMemGetInfo(&free_at_start, &total), "cudaMemGetInfo");
+  const std::size_t total = at_start.total;
   std::printf("device 0: %s, %d SMs x %d resident threads, %.0f MiB total, %.0f MiB free with "
               "this process's context\n",
               prop.name, prop.multiProcessorCount, prop.maxThreadsPerMultiProcessor,
-              static_cast<double>(total) / mib, static_cast<double>(before_context) / mib);
+              static_cast<double>(total) / mib, static_cast<double>(at_start.free) / mib);
 
   int* flag = nullptr;
   meter m;

@@ -511,17 +511,6 @@ inline void release_default_copy_stagers() noexcept { detail::release_stagers(fa
 
 namespace detail {
 
-/// The device whose streams `stream` is: its own, or the current device for a default stream.
-inline int stream_device(stream_view stream) {
-  int device = -1;
-  if (stream.is_default()) {
-    check(cudaGetDevice(&device), "cudaGetDevice");
-  } else {
-    check(cudaStreamGetDevice(stream.get(), &device), "cudaStreamGetDevice");
-  }
-  return device;
-}
-
 /// What cudamem::copy and device_buffer call for a copy with a host side and a device side:
 /// one cudaMemcpyAsync, or a staged copy when it is large and between pageable and device
 /// memory (see the contract).

@@ -16,6 +16,18 @@
 
 namespace cudamem::detail {
 
+/// The device `stream` belongs to: its own, or the current device for a default-stream handle
+/// (which names whichever device is current).
+[[nodiscard]] inline int stream_device(stream_view stream) {
+  int device = -1;
+  if (stream.is_default()) {
+    check(cudaGetDevice(&device), "cudaGetDevice");
+  } else {
+    check(cudaStreamGetDevice(stream.get(), &device), "cudaStreamGetDevice");
+  }
+  return device;
+}
+
 /// Makes work submitted to `later` from now on wait for the work submitted to `earlier` so
 /// far, without blocking the host (an event recorded on one, waited on by the other). Nothing
 /// when they are the same stream: stream order already does it. The two may belong to
@@ -26,12 +38,7 @@ inline void order_after(stream_view later, stream_view earlier) {
   if (later == earlier) {
     return;
   }
-  int device = -1;
-  if (!earlier.is_default()) {
-    check(cudaStreamGetDevice(earlier.get(), &device), "cudaStreamGetDevice");
-  } else {
-    check(cudaGetDevice(&device), "cudaGetDevice");
-  }
+  const int device = stream_device(earlier);
   cudaEvent_t marker = nullptr;
   cudaError_t recorded = cudaSuccess;
   {
