@@ -24,7 +24,7 @@
 //     cudamem::copy (direct up to direct_copy_max_bytes(), staged above), the default stager
 //     forced at every size (copy_to_device / copy_to_host: where staging starts to win, which
 //     is how the threshold is chosen), raw cudaMemcpyAsync from/to pinned memory (the ceiling),
-//     and cudaHostRegister + cudaMemcpyAsync + cudaHostUnregister of the pageable memory.
+//     and cudaHostRegister + cudaMemcpyAsync + cudaHostUnregister of pageable memory of its own.
 //     Wall time from the call to cudaStreamSynchronize returning, repeated so that one sample
 //     moves at least 64 MiB (4 KiB: 16,384 copies). Median GB/s; ratios are medians of
 //     per-round ratios to the same round's raw pageable copy, and of staged / pinned.
@@ -204,6 +204,12 @@ std::string size_name(std::size_t bytes) {
 bool pageable_by_size(cudamem::stream_view s, int rounds) {
   constexpr std::size_t largest = 1024 * mib;
   pageable_memory host(largest);
+  // The register peer pins and unpins memory of its own: a user's vector is not pinned and
+  // unpinned between copies, so no other peer copies into memory that was. (When they shared
+  // one buffer, the stager's 256 MiB device -> host copy ran at 29.6 GB/s in this table and
+  // 40.6 in (2) on the same H100; with separate buffers, on another H100, 26.1 and 25.8:
+  // not shown to be the cause, but one variable fewer.)
+  pageable_memory registered_host(largest);
   cudamem::pinned_buffer<unsigned char> pinned(largest, static_cast<unsigned char>(2));
   cudamem::device_buffer<unsigned char> device(largest, static_cast<unsigned char>(3), s);
   cudamem::copy_stager& stager = cudamem::default_copy_stager();
@@ -222,6 +228,7 @@ bool pageable_by_size(cudamem::stream_view s, int rounds) {
       unsigned char* d = device.data();
       unsigned char* h = host.data();
       unsigned char* p = pinned.data();
+      unsigned char* r = registered_host.data();
       const cudaMemcpyKind kind = up ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost;
       // One plain copy between device memory and host memory `mem`, the way `up` says.
       const auto raw = [=](void* dev, void* mem) {
@@ -251,11 +258,11 @@ bool pageable_by_size(cudamem::stream_view s, int rounds) {
           {"pinned", [=] { cudamem::check(raw(d, p), "raw pinned copy"); }},
           {"register",
            [=] {
-             cudamem::check(cudaHostRegister(h, bytes, cudaHostRegisterDefault),
+             cudamem::check(cudaHostRegister(r, bytes, cudaHostRegisterDefault),
                             "cudaHostRegister");
-             cudamem::check(raw(d, h), "copy of registered memory");
+             cudamem::check(raw(d, r), "copy of registered memory");
              cudamem::check(cudaStreamSynchronize(s.get()), "cudaStreamSynchronize");
-             cudamem::check(cudaHostUnregister(h), "cudaHostUnregister");
+             cudamem::check(cudaHostUnregister(r), "cudaHostUnregister");
            }},
       };
       const int reps = static_cast<int>(std::clamp<std::size_t>(16 * mib / bytes, 1, 1024));
@@ -285,10 +292,10 @@ bool pageable_by_size(cudamem::stream_view s, int rounds) {
     std::vector<double> unreg;
     for (int round = 0; round < std::min(rounds, 9); ++round) {
       const auto t0 = std::chrono::steady_clock::now();
-      cudamem::check(cudaHostRegister(host.data(), bytes, cudaHostRegisterDefault),
+      cudamem::check(cudaHostRegister(registered_host.data(), bytes, cudaHostRegisterDefault),
                      "cudaHostRegister");
       const auto t1 = std::chrono::steady_clock::now();
-      cudamem::check(cudaHostUnregister(host.data()), "cudaHostUnregister");
+      cudamem::check(cudaHostUnregister(registered_host.data()), "cudaHostUnregister");
       const auto t2 = std::chrono::steady_clock::now();
       reg.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
       unreg.push_back(std::chrono::duration<double, std::milli>(t2 - t1).count());
