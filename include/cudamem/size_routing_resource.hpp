@@ -31,7 +31,8 @@
 //   already requires to be the size allocated: the router keeps no table and no state that
 //   changes. A free with another size may reach the other resource; one that checks (pools,
 //   tracking_adaptor, simulated_resource) reports a pointer it never gave out and leaves it
-//   alone. Put a tracking_adaptor above the router to find such a free.
+//   alone; one that does not (host_resource) frees it as its own, which is undefined. Put a
+//   tracking_adaptor above the router to find such a free.
 // - Both forms are forwarded as they came: allocate/deallocate on a stream reach the chosen
 //   resource on that stream, the synchronous forms reach its synchronous forms (so host-only
 //   resources behind it touch no CUDA API).
@@ -60,7 +61,9 @@
 //   router's out-of-memory advice (asked when an adaptor above it passes a failure on, the
 //   report then starting above the router) says which resource the request went to, what each
 //   holds, and then the general advice for the verdict; the failing branch's own report, with
-//   its chain, is the one the branch threw.
+//   its chain, is the one the branch threw. Such a report keeps the branch's cause and verdict,
+//   but its `origin` (which resource failed first) counts positions in one chain and so cannot
+//   point inside a branch: it names the router or a resource above it.
 #pragma once
 
 #include <cudamem/memory_report.hpp>
