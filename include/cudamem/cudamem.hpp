@@ -42,6 +42,7 @@
 #include <cudamem/replay.hpp>
 #include <cudamem/retry_adaptor.hpp>
 #include <cudamem/simulated_resource.hpp>
+#include <cudamem/size_routing_resource.hpp>
 #include <cudamem/statistics_adaptor.hpp>
 #include <cudamem/stream.hpp>
 #include <cudamem/sync_guard.hpp>
