@@ -10,8 +10,10 @@
 #define CATCH_CONFIG_EXTERNAL_INTERFACES
 
 #include <cudamem/device_buffer.hpp>
+#include <cudamem/device_resource.hpp>
 #include <cudamem/failing_adaptor.hpp>
 #include <cudamem/nccl.hpp>
+#include <cudamem/nccl_pool.hpp>
 #include <cudamem/pool_resource.hpp>
 #include <cudamem/stream.hpp>
 #include <cudamem/vm_pool_resource.hpp>
@@ -338,6 +340,80 @@ TEST_CASE("registered pools: all-reduce on pooled blocks is right; each chunk re
   }
   CHECK(counts.live.empty());
   CHECK(counts.registers == counts.deregisters);
+}
+
+TEST_CASE("nccl_pool: sizes in the range from registered chunks, others plain; all-reduce right") {
+  const counts_scope scope;
+  auto& comms = communicators();
+  const std::size_t n = comms.size();
+  auto streams = one_stream_per_device();
+  struct stack {
+    stack(int device, ncclComm_t comm)
+        : nccl_memory(device), plain_memory(device),
+          pool(comm, nccl_memory, plain_memory, {}, counting_calls) {}
+    nccl_mem_resource nccl_memory;
+    device_resource plain_memory;
+    nccl_pool pool;
+  };
+  std::vector<std::unique_ptr<stack>> stacks;
+  for (std::size_t d = 0; d < n; ++d) {
+    stacks.push_back(std::make_unique<stack>(static_cast<int>(d), comms[d].get()));
+  }
+  // 2 MiB and 512 MiB: plain memory, never registered; 8 and 16 MiB: registered chunks.
+  for (const std::size_t bytes : {2 * MiB, 8 * MiB, 16 * MiB, 512 * MiB}) {
+    const bool registered = bytes >= 8 * MiB && bytes <= 256 * MiB;
+    INFO(bytes << " bytes on " << n << " rank(s)");
+    const std::size_t count = bytes / sizeof(float);
+    std::vector<device_buffer<float>> buffers;
+    std::vector<float*> send;
+    std::vector<float*> recv;
+    for (std::size_t r = 0; r < n; ++r) {
+      CHECK(stacks[r]->pool.serves_registered(bytes) == registered);
+      buffers.emplace_back(count, streams[r], stacks[r]->pool.resource());
+      send.push_back(buffers.back().data());
+      buffers.emplace_back(count, streams[r], stacks[r]->pool.resource());
+      recv.push_back(buffers.back().data());
+      CHECK(counts.overlaps_live(send.back(), bytes) == registered);
+      CHECK(counts.overlaps_live(recv.back(), bytes) == registered);
+    }
+    CHECK(all_reduce_and_count_wrong(send, recv, count, streams) == 0);
+    CHECK(all_reduce_and_count_wrong(send, send, count, streams) == 0);  // in place
+  }
+  std::size_t made = 0;
+  for (std::size_t r = 0; r < n; ++r) {
+    nccl_pool& pool = stacks[r]->pool;
+    made += pool.registrations_made();
+    CHECK(pool.registering().registrations() == pool.registered_pool().chunk_count());
+    CHECK(pool.registered_pool().chunk_count() > 0);
+    CHECK(pool.plain_pool().chunk_count() > 0);
+    CHECK(pool.release() > 0);
+    CHECK(pool.registering().registrations() == 0);
+    CHECK(stacks[r]->nccl_memory.stats().used_bytes == 0);
+    CHECK(stacks[r]->plain_memory.stats().used_bytes == 0);
+  }
+  CHECK(made == static_cast<std::size_t>(counts.registers));  // chunks only, no plain block
+  CHECK(counts.live.empty());
+  CHECK(counts.registers == counts.deregisters);
+}
+
+TEST_CASE("nccl_pool: the owning constructor, on the communicator's device; bad input") {
+  auto& comms = communicators();
+  const int last = static_cast<int>(comms.size()) - 1;
+  stream s{stream_options{.device = last}};
+  {
+    nccl_pool pool{comms.back().get()};
+    CHECK(pool.resource().device() == last);
+    const device_buffer<float> registered(4 * MiB, s, pool.resource());  // 16 MiB
+    const device_buffer<float> plain(256 * 1024, s, pool.resource());    // 1 MiB
+    CHECK(pool.registrations_made() == 1);  // the registered pool's one chunk
+    CHECK(pool.registered_pool().chunk_count() == 1);
+    CHECK(pool.plain_pool().chunk_count() == 1);
+    s.synchronize();
+  }
+  CHECK_THROWS_AS(nccl_pool(nullptr), std::invalid_argument);
+  CHECK_THROWS_AS(nccl_pool(comms[0].get(), {.registered_min_bytes = 2 * MiB,
+                                             .registered_max_bytes = MiB}),
+                  std::invalid_argument);
 }
 
 TEST_CASE("registered pools: a registration or an allocation failing leaves nothing behind") {

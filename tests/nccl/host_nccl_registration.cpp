@@ -6,6 +6,7 @@
 #include <cudamem/failing_adaptor.hpp>
 #include <cudamem/host_resource.hpp>
 #include <cudamem/nccl.hpp>
+#include <cudamem/nccl_pool.hpp>
 #include <cudamem/pool_resource.hpp>
 #include <cudamem/simulated_resource.hpp>
 #include <cudamem/vm_pool_resource.hpp>
@@ -644,4 +645,104 @@ TEST_CASE("vm_pool with registration: nothing goes back to the vm_resource regis
   CHECK(counts.frees_still_registered == 0);
   CHECK(fake.live.empty());
   CHECK(fake.registers == fake.deregisters);
+}
+
+// --- nccl_pool: registered chunks for some sizes, plain memory for the rest -------------------
+
+namespace {
+
+/// Two simulated devices' worth of upstreams for an nccl_pool: the registered side checked
+/// for frees of registered memory, the plain side counted.
+struct nccl_pool_upstreams {
+  simulated_resource registered_device{{.capacity = 64 * GiB}};
+  failing_adaptor registered_faults{registered_device};
+  registration_checker checker{registered_faults};
+  simulated_resource plain_device{{.capacity = 64 * GiB}};
+  failing_adaptor plain_faults{plain_device};
+};
+
+}  // namespace
+
+TEST_CASE("nccl_pool: sizes in the range come from registered chunks, the others never do") {
+  const fake_nccl_scope scope;
+  nccl_pool_upstreams u;
+  {
+    nccl_pool pool{fake_comm, u.checker, u.plain_faults, {}, fake_calls};
+    CHECK(pool.options().registered_min_bytes == 8 * MiB);
+    CHECK(pool.options().registered_max_bytes == 256 * MiB);
+    memory_resource& mr = pool.resource();
+    // The edges: 8 MiB - 1 and 256 MiB + 1 are plain, 8 MiB and 256 MiB registered.
+    const std::size_t sizes[] = {4096, 2 * MiB, 8 * MiB - 1, 8 * MiB, 64 * MiB, 256 * MiB,
+                                 256 * MiB + 1, GiB};
+    std::vector<std::pair<void*, std::size_t>> live;
+    for (const std::size_t bytes : sizes) {
+      const bool registered = bytes >= 8 * MiB && bytes <= 256 * MiB;
+      INFO(bytes << " bytes");
+      CHECK(pool.serves_registered(bytes) == registered);
+      void* p = mr.allocate(bytes);
+      live.emplace_back(p, bytes);
+      CHECK(fake.overlaps_live(p, bytes) == registered);
+    }
+    // Registered: one registration per chunk of the registered pool, none for plain blocks.
+    CHECK(pool.registrations_made() == u.registered_faults.allocate_calls());
+    CHECK(fake.live.size() == pool.registered_pool().chunk_count());
+    CHECK(u.plain_faults.allocate_calls() == pool.plain_pool().chunk_count());
+    CHECK(pool.plain_pool().stats().used_bytes >= 4096 + 2 * MiB + 8 * MiB - 1 + 256 * MiB + 1 + GiB);
+    free_all(mr, live);
+    CHECK(pool.registered_pool().stats().used_bytes == 0);
+    CHECK(pool.plain_pool().stats().used_bytes == 0);
+    CHECK(pool.release() > 0);
+    CHECK(fake.live.empty());
+    live = run_trace(mr, 500, 31);  // the destructor gives back what this leaves
+    free_all(mr, live);
+  }
+  CHECK(fake.live.empty());
+  CHECK(fake.registers == fake.deregisters);
+  CHECK(u.checker.frees_still_registered() == 0);
+  CHECK(u.registered_device.stats().used_bytes == 0);
+  CHECK(u.plain_device.stats().used_bytes == 0);
+}
+
+TEST_CASE("nccl_pool: a failing registration or upstream loses nothing, the other side works") {
+  const fake_nccl_scope scope;
+  nccl_pool_upstreams u;
+  {
+    nccl_pool pool{fake_comm, u.checker, u.plain_faults, {}, fake_calls};
+    fake.fail_all_registers = true;
+    CHECK_THROWS_AS(pool.resource().allocate(16 * MiB), nccl_error);
+    CHECK(u.registered_device.stats().used_bytes == 0);  // the chunk went back
+    void* plain = pool.resource().allocate(2 * MiB);      // plain memory needs no NCCL
+    fake.fail_all_registers = false;
+    void* registered = pool.resource().allocate(16 * MiB);
+    CHECK(fake.overlaps_live(registered, 16 * MiB));
+    u.plain_faults.fail_from(1);
+    CHECK_THROWS_AS(pool.resource().allocate(GiB), out_of_memory);  // the plain side's failure
+    CHECK(u.plain_faults.injected_failures() > 0);
+    u.plain_faults.never_fail();
+    CHECK(fake.live.size() == pool.registered_pool().chunk_count());  // registered side as was
+    pool.resource().deallocate(registered, 16 * MiB);
+    pool.resource().deallocate(plain, 2 * MiB);
+  }
+  CHECK(fake.live.empty());
+  CHECK(fake.registers == fake.deregisters);
+  CHECK(u.registered_device.stats().used_bytes == 0);
+  CHECK(u.plain_device.stats().used_bytes == 0);
+}
+
+TEST_CASE("nccl_pool: bad input throws std::invalid_argument and registers nothing") {
+  const fake_nccl_scope scope;
+  nccl_pool_upstreams u;
+  CHECK_THROWS_AS(nccl_pool(nullptr, u.checker, u.plain_faults, {}, fake_calls),
+                  std::invalid_argument);
+  CHECK_THROWS_WITH(nccl_pool(fake_comm, u.checker, u.plain_faults,
+                              {.registered_min_bytes = 2 * MiB, .registered_max_bytes = MiB},
+                              fake_calls),
+                    Catch::Contains("registered_min_bytes"));
+  host_resource host;  // not device memory: the registering adaptor refuses it
+  CHECK_THROWS_AS(nccl_pool(fake_comm, host, u.plain_faults, {}, fake_calls),
+                  std::invalid_argument);
+  fake.device = 0;  // the communicator on device 0, the simulated memory on -1
+  CHECK_THROWS_AS(nccl_pool(fake_comm, u.checker, u.plain_faults, {}, fake_calls),
+                  std::invalid_argument);
+  CHECK(fake.register_calls == 0);
 }
