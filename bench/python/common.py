@@ -5,6 +5,8 @@ that every allocator meets the same, smaller device (a plain cudaMalloc outside 
     allocators: default     PyTorch's caching allocator
                 expandable  the same with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
                 cudamem     cudamem.torch.install() (vm_pool)
+                cudamem:k=v,k=v  cudamem.torch.install(k=v, ...): another stack or options,
+                            e.g. cudamem:resource=pool or cudamem:handle_bytes=16MiB
 """
 import ctypes
 import os
@@ -33,10 +35,20 @@ def set_up():
     """In the child: the allocator named by the environment, ready before any allocation."""
     allocator = os.environ.get("CUDAMEM_BENCH_ALLOCATOR", "default")
     import torch  # noqa: F401  (imported here, after the environment is set)
-    if allocator == "cudamem":
+    if allocator == "cudamem" or allocator.startswith("cudamem:"):
         import cudamem.torch
-        cudamem.torch.install()
+        cudamem.torch.install(**cudamem_options(allocator))
     return allocator
+
+
+def cudamem_options(allocator):
+    """install()'s keyword arguments for "cudamem" or "cudamem:key=value,key=value"."""
+    _, _, text = allocator.partition(":")
+    options = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        options[key.strip()] = int(value) if value.strip().isdigit() else value.strip()
+    return options
 
 
 _ballast = []
@@ -84,3 +96,22 @@ def median(values):
     ordered = sorted(values)
     n = len(ordered)
     return ordered[n // 2] if n % 2 else 0.5 * (ordered[n // 2 - 1] + ordered[n // 2])
+
+
+def allocator_name():
+    return os.environ.get("CUDAMEM_BENCH_ALLOCATOR", "default")
+
+
+def print_cudamem_notes():
+    """Under cudamem: what it holds (stats()) and, after a failure, the report's first lines,
+    as NOTE lines (run_all.py prints them): why an allocation failed, or what a speed run
+    left held."""
+    if not allocator_name().startswith("cudamem"):
+        return
+    import cudamem.torch
+    stats = cudamem.torch.stats()
+    print("NOTE stats: " + ", ".join("%s=%s" % (k, stats[k]) for k in sorted(stats)))
+    report = cudamem.torch.last_oom_report()
+    for line in report.splitlines()[:40]:
+        print("NOTE report: " + line)
+    sys.stdout.flush()

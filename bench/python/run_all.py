@@ -2,6 +2,13 @@
 
     python3 bench/python/run_all.py [--only overhead,frag,train] [--frag-free-gib N]
                                     [--train-free-gib N] [--seeds 1,2,3]
+                                    [--variants OPTIONS ...] [--allocators A,B,...]
+                                    [--train-start B --train-step S] [--train-batch B] [--notes]
+
+--variants adds cudamem with other options as more columns ("resource=pool",
+"handle_bytes=16MiB,grow_ahead_bytes=0": cudamem.torch.install()'s keywords); --allocators
+keeps only the named columns (default, expandable, cudamem) and the variants; --train-start/--train-step skip the coarse search; --notes
+prints what each cudamem child said about its state (stats, the failed allocation's report).
 
 Allocators: PyTorch's default caching allocator, the same with expandable_segments:True, and
 cudamem.torch.install() (vm_pool). The package is imported from ../../python; its library is
@@ -17,6 +24,9 @@ import common
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+show_notes = False  # --notes: print what the children said about cudamem's state
+
+
 def run(script, allocator, *arguments, timeout=900):
     command = [sys.executable, os.path.join(HERE, script)] + [str(a) for a in arguments]
     done = subprocess.run(command, env=common.environment_for(allocator), capture_output=True,
@@ -30,6 +40,9 @@ def run(script, allocator, *arguments, timeout=900):
         return []
     for r in results:
         print("  " + r, flush=True)
+    for line in done.stdout.splitlines():
+        if line.startswith("NOTE ") and show_notes:
+            print("    " + line[len("NOTE "):], flush=True)
     return results
 
 
@@ -43,15 +56,27 @@ def main():
     parser.add_argument("--frag-free-gib", type=float, default=0)
     parser.add_argument("--train-free-gib", type=float, default=16)
     parser.add_argument("--seeds", default="1,2,3")
+    parser.add_argument("--variants", nargs="*", default=[])
+    parser.add_argument("--allocators", default="")
+    parser.add_argument("--train-start", type=int, default=0)
+    parser.add_argument("--train-step", type=int, default=2)
+    parser.add_argument("--train-batch", type=int, default=0)
+    parser.add_argument("--notes", action="store_true")
     args = parser.parse_args()
+    global show_notes
+    show_notes = args.notes
+    allocators = list(allocators) + ["cudamem:" + v for v in args.variants]
+    if args.allocators:  # the named ones, and every --variants column
+        wanted = args.allocators.split(",")
+        allocators = [a for a in allocators if a in wanted or a.startswith("cudamem:")]
     parts = args.only.split(",")
     table = []
 
     if "overhead" in parts:
         print("torch.empty + free, ns per pair (median of 7 rounds of 100,000)", flush=True)
-        costs = {a: run("overhead.py", a) for a in common.ALLOCATORS}
+        costs = {a: run("overhead.py", a) for a in allocators}
         for kind_index, kind in enumerate(("1MiB", "4KiB-16MiB")):
-            row = {a: number(costs[a][kind_index], 3) for a in common.ALLOCATORS if costs[a]}
+            row = {a: number(costs[a][kind_index], 3) for a in allocators if costs[a]}
             table.append(("empty+free %s (ns)" % kind, row, "%.0f"))
 
     if "frag" in parts:
@@ -59,14 +84,14 @@ def main():
         for trace in ("mixed", "heavy"):
             for seed in args.seeds.split(","):
                 row = {}
-                for a in common.ALLOCATORS:
+                for a in allocators:
                     r = run("frag.py", a, "--trace", trace, "--seed", seed,
                             "--free-gib", args.frag_free_gib)
                     if r:
                         row[a] = number(r[0])
                 table.append(("%s trace, seed %s (fraction)" % (trace, seed), row, "%.4f"))
         row = {}
-        for a in common.ALLOCATORS:
+        for a in allocators:
             r = run("frag.py", a, "--trace", "swiss", "--free-gib", args.frag_free_gib)
             if r:
                 row[a] = number(r[0])
@@ -76,36 +101,42 @@ def main():
         free = args.train_free_gib
         # 10 steps a batch see long sequences too; a batch that passed them may still fail in
         # 50, so the fine search starts well below (at half): it must start on a batch that runs.
-        print("training: coarse search (default allocator, 10 steps a batch)", flush=True)
-        coarse = run("train.py", "default", "search", "--start", 16, "--step", 16, "--steps", 10,
-                     "--free-gib", free)
-        if coarse:
-            estimate = int(number(coarse[0]))
-            fine = max(2, estimate // 24)
-            start = max(fine, (estimate // 2) // fine * fine)
+        if args.train_start:
+            coarse, start, fine = None, args.train_start, args.train_step
+        else:
+            print("training: coarse search (default allocator, 10 steps a batch)", flush=True)
+            coarse = run("train.py", "default", "search", "--start", 16, "--step", 16,
+                         "--steps", 10, "--free-gib", free)
+            if coarse:
+                estimate = int(number(coarse[0]))
+                fine = max(2, estimate // 24)
+                start = max(fine, (estimate // 2) // fine * fine)
+        if args.train_start or coarse:
             print("training: the largest batch running 50 steps, from %d by %d" % (start, fine),
                   flush=True)
             row = {}
-            for a in common.ALLOCATORS:
+            for a in allocators:
                 r = run("train.py", a, "search", "--start", start, "--step", fine,
                         "--steps", 50, "--free-gib", free, timeout=1800)
                 if r:
                     row[a] = number(r[0])
             table.append(("largest batch, 50 steps (%g GiB free)" % free, row, "%.0f"))
-            if row:
-                batch = max(2, int(min(row.values())) // 2)
+            if row or args.train_batch:
+                batch = args.train_batch or max(2, int(min(row.values())) // 2)
                 row = {}
-                for a in common.ALLOCATORS:
+                for a in allocators:
                     r = run("train.py", a, "speed", "--batch", batch, "--free-gib", free)
                     if r:
                         row[a] = number(r[0])
                 table.append(("steps/s at batch %d" % batch, row, "%.3f"))
 
     print()
-    print("| measurement | default | expandable_segments | cudamem | cudamem / default |")
-    print("|---|---|---|---|---|")
+    names = {"expandable": "expandable_segments"}
+    print("| measurement | %s | cudamem / default |"
+          % " | ".join(names.get(a, a) for a in allocators))
+    print("|---|%s---|" % ("---|" * len(allocators)))
     for name, row, fmt in table:
-        cells = [fmt % row[a] if a in row else "failed" for a in common.ALLOCATORS]
+        cells = [fmt % row[a] if a in row else "failed" for a in allocators]
         ratio = ("%.3f" % (row["cudamem"] / row["default"])
                  if "cudamem" in row and row.get("default") else "")
         print("| %s | %s | %s |" % (name, " | ".join(cells), ratio))

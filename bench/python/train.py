@@ -72,6 +72,9 @@ def search(torch, model, optimizer, start, increment, steps):
         except Exception as e:  # noqa: BLE001
             if not common.is_oom(e):
                 raise
+            print("NOTE %s failed at batch %d: %s" % (common.allocator_name(), batch,
+                                                      str(e).strip().splitlines()[0][:300]))
+            common.print_cudamem_notes()
             return largest, batch
         largest = batch
         print("ok batch %d" % batch, flush=True)
@@ -114,6 +117,7 @@ def main():
     else:
         print("RESULT speed %s %.3f steps/s at batch %d"
               % (allocator, speed(torch, model, optimizer, args.batch), args.batch))
+        common.print_cudamem_notes()
     sys.stdout.flush()
 
 
