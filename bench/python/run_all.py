@@ -65,7 +65,7 @@ def main():
     args = parser.parse_args()
     global show_notes
     show_notes = args.notes
-    allocators = list(allocators) + ["cudamem:" + v for v in args.variants]
+    allocators = list(common.ALLOCATORS) + ["cudamem:" + v for v in args.variants]
     if args.allocators:  # the named ones, and every --variants column
         wanted = args.allocators.split(",")
         allocators = [a for a in allocators if a in wanted or a.startswith("cudamem:")]
