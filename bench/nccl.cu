@@ -358,8 +358,11 @@ void bandwidth_part(const options& o, const std::vector<cudamem::nccl_communicat
   for (std::size_t bytes = o.min_bytes; bytes <= o.max_bytes; bytes *= 2) {
     ++sizes;
     const std::size_t count = bytes / sizeof(float);
+    // A batch of at least ~2 GiB moved (at most 400 all-reduces): a 1 MiB all-reduce takes
+    // ~15 us, and 50 of them (what this was) left batches of under a millisecond whose noise
+    // alone put every variant at 0.96-0.97 of "the best of the others".
     const int iterations =
-        static_cast<int>(std::clamp<std::size_t>((std::size_t{256} << 20) / bytes, 3, 50));
+        static_cast<int>(std::clamp<std::size_t>((std::size_t{2} << 30) / bytes, 5, 400));
     std::size_t wrong = 0;
     for (auto& v : variants) {
       v->prepare(bytes, streams);
