@@ -2,14 +2,18 @@
 // simulated device, and says what it would have reserved and whether and where it would have
 // run out: "which configuration would have avoided this OOM?", on a laptop.
 //
-//   bench_replay LOG [--resource pool|arena|direct] [--capacity 80GiB]
-//                    [--layout first_fit|paged] [--trace out.json] [--sample-every N]
+//   bench_replay LOG [--resource pool|arena|direct|vm_pool] [--capacity 80GiB]
+//                    [--layout first_fit|paged] [--handle-bytes 64MiB] [--trace out.json]
+//                    [--sample-every N]
 //   bench_replay --make-log TRACE OUT.log     write a standard trace (DESIGN.md) as a log
 //
 //   --resource  pool    pool_resource over the device (default)
 //               arena   arena_resource over the device (frees are no-ops: a monotonic run)
 //               direct  the device itself (first_fit: like cudaMalloc without virtual memory;
 //                       paged: like cudaMalloc on a current GPU)
+//               vm_pool vm_pool_resource over a simulated virtual-memory device (2 MiB
+//                       granules; --handle-bytes sets its handle size, default 64 MiB;
+//                       --layout does not apply)
 //   --capacity  the device's size: a byte count or with a unit, B KiB MiB GiB TiB (default 80GiB)
 //   --layout    the simulated device's layout (default first_fit)
 //   --trace     also write a Chrome trace (ui.perfetto.dev): in use and reserved per resource
@@ -24,6 +28,7 @@
 #include <cudamem/replay.hpp>
 #include <cudamem/simulated_resource.hpp>
 #include <cudamem/trace_export.hpp>
+#include <cudamem/vm_pool_resource.hpp>
 
 #include "traces.hpp"
 
@@ -65,9 +70,9 @@ std::optional<std::size_t> parse_size(std::string_view text) {
 int usage(const char* why) {
   std::fprintf(stderr,
                "bench_replay: %s\n"
-               "usage: bench_replay LOG [--resource pool|arena|direct] [--capacity 80GiB]\n"
-               "                        [--layout first_fit|paged] [--trace out.json]\n"
-               "                        [--sample-every N]\n"
+               "usage: bench_replay LOG [--resource pool|arena|direct|vm_pool] [--capacity 80GiB]\n"
+               "                        [--layout first_fit|paged] [--handle-bytes 64MiB]\n"
+               "                        [--trace out.json] [--sample-every N]\n"
                "       bench_replay --make-log TRACE OUT.log   (TRACE: a standard trace name)\n",
                why);
   return 1;
@@ -108,6 +113,7 @@ int main(int argc, char** argv) {
   std::string trace_path;
   std::size_t capacity = std::size_t{80} << 30;
   std::size_t sample_every = 1;
+  std::size_t handle_bytes = std::size_t{64} << 20;
   for (std::size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     const bool has_value = i + 1 < args.size();
@@ -123,6 +129,12 @@ int main(int argc, char** argv) {
         return usage(("bad capacity " + args[i]).c_str());
       }
       capacity = *size;
+    } else if (a == "--handle-bytes" && has_value) {
+      const auto size = parse_size(args[++i]);
+      if (!size || *size == 0) {
+        return usage(("bad --handle-bytes " + args[i]).c_str());
+      }
+      handle_bytes = *size;
     } else if (a == "--sample-every" && has_value) {
       const auto n = parse_size(args[++i]);
       if (!n || *n == 0) {
@@ -138,7 +150,7 @@ int main(int argc, char** argv) {
   if (log_path.empty()) {
     return usage("no log given");
   }
-  if (resource != "pool" && resource != "arena" && resource != "direct") {
+  if (resource != "pool" && resource != "arena" && resource != "direct" && resource != "vm_pool") {
     return usage(("unknown resource " + resource).c_str());
   }
   if (layout != "first_fit" && layout != "paged") {
@@ -162,6 +174,14 @@ int main(int argc, char** argv) {
       top = std::make_unique<cudamem::pool_resource>(device);
     } else if (resource == "arena") {
       top = std::make_unique<cudamem::arena_resource>(device);
+    } else if (resource == "vm_pool") {
+      cudamem::vm_pool_options options;
+      options.handle_bytes = handle_bytes;
+      top = std::make_unique<cudamem::vm_pool_resource>(
+          std::make_unique<cudamem::detail::simulated_vm_mapping>(
+              cudamem::detail::simulated_vm_options{.capacity = capacity,
+                                                    .granularity = std::size_t{2} << 20}),
+          options);
     }
     cudamem::memory_resource& stack = top ? *top : device;
 

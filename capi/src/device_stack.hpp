@@ -47,9 +47,7 @@ class device_stack {
       case resource_choice::vm_pool: {
         vm_pool_options o;
         o.grow_ahead_bytes = config.grow_ahead_bytes;
-        if (config.handle_bytes) {
-          o.handle_bytes = *config.handle_bytes;
-        }
+        o.handle_bytes = config.handle_bytes.value_or(default_handle_bytes);
         if (config.simulate_bytes) {
           cudamem::detail::simulated_vm_options sim;
           sim.capacity = *config.simulate_bytes;

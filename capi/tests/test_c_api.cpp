@@ -167,6 +167,29 @@ TEST_CASE("c api: allocate, free, statistics over a simulated vm_pool") {
   CHECK(cudamem_deallocate(id, nullptr, 0, 0, nullptr) == CUDAMEM_OK);
 }
 
+TEST_CASE("c api: the vm_pool's handles are 4 MiB unless handle_bytes says otherwise") {
+  // 5 MiB blocks on a 64 MiB device, until it is full. A block of a handle or more gets whole
+  // handles of the vm_resource: 2 x 4 MiB each by default (8 blocks fit), 3 x 2 MiB with 2 MiB
+  // handles (10). With 64 MiB handles they are cut from one 64 MiB chunk of the pool (12).
+  for (const auto& [text, fit] :
+       {std::pair<const char*, int>{"simulate_bytes=64MiB", 8},
+        {"simulate_bytes=64MiB, handle_bytes=2MiB", 10},
+        {"simulate_bytes=64MiB, handle_bytes=64MiB", 12}}) {
+    INFO(text);
+    const int id = make(text);
+    destroyer d{id};
+    std::vector<void*> blocks;
+    void* p = nullptr;
+    while (blocks.size() < 20 && cudamem_allocate(id, 5 * MiB, 0, nullptr, &p) == CUDAMEM_OK) {
+      blocks.push_back(p);
+    }
+    CHECK(static_cast<int>(blocks.size()) == fit);
+    for (void* b : blocks) {
+      REQUIRE(cudamem_deallocate(id, b, 5 * MiB, 0, nullptr) == CUDAMEM_OK);
+    }
+  }
+}
+
 TEST_CASE("c api: memory a vm_pool made ahead of need is counted, and release gives it back") {
   // The growth thread runs on its own: the test waits (at most 10 s) for its first batch.
   const int id = make("simulate_bytes=8GiB, grow_ahead_bytes=1GiB");
