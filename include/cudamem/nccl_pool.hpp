@@ -57,7 +57,10 @@
 
 #include <cstddef>
 #include <optional>
+#include <source_location>
 #include <stdexcept>
+#include <string>
+#include <utility>
 
 namespace cudamem {
 
