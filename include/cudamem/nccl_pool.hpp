@@ -79,7 +79,7 @@ class nccl_pool {
  public:
   /// Registered chunks from ncclMemAlloc, plain ones from cudaMalloc, on `comm`'s device.
   explicit nccl_pool(ncclComm_t comm, nccl_pool_options options = {})
-      : nccl_pool(comm, options, detail::nccl_library_calls(), owned_upstreams{}) {}
+      : nccl_pool(comm, nullptr, nullptr, options, detail::nccl_library_calls()) {}
 
   /// The same over upstreams of the caller's (device memory of the communicator's device):
   /// `registered_upstream` under the registering adaptor, `plain_upstream` under the plain
@@ -87,13 +87,7 @@ class nccl_pool {
   nccl_pool(ncclComm_t comm, memory_resource& registered_upstream,
             memory_resource& plain_upstream, nccl_pool_options options = {},
             const detail::nccl_calls& calls = detail::nccl_library_calls())
-      : options_(checked(comm, options)),
-        registering_(registered_upstream, comm, calls),
-        registered_(registering_, options_.registered_pool),
-        plain_(plain_upstream, options_.plain_pool),
-        router_(registered_, plain_,
-                {.min_bytes = options_.registered_min_bytes,
-                 .max_bytes = options_.registered_max_bytes}) {}
+      : nccl_pool(comm, &registered_upstream, &plain_upstream, options, calls) {}
 
   nccl_pool(const nccl_pool&) = delete;
   nccl_pool& operator=(const nccl_pool&) = delete;
@@ -119,31 +113,28 @@ class nccl_pool {
   std::size_t release() { return registered_.release() + plain_.release(); }
 
  private:
-  /// The owning constructor's upstreams, made on the communicator's device.
-  struct owned_upstreams {};
+  /// The upstreams the first constructor makes on the communicator's device.
+  struct owned_upstreams {
+    explicit owned_upstreams(int device) : nccl_memory(device), device_memory(device) {}
+    nccl_mem_resource nccl_memory;
+    device_resource device_memory;
+  };
 
-  nccl_pool(ncclComm_t comm, nccl_pool_options options, const detail::nccl_calls& calls,
-            owned_upstreams /*tag*/)
-      : device_(communicator_device(comm, calls)),
-        nccl_memory_(std::in_place, *device_),
-        device_memory_(std::in_place, *device_),
-        options_(checked(comm, options)),
-        registering_(*nccl_memory_, comm, calls),
+  /// Null upstreams: make and own them.
+  nccl_pool(ncclComm_t comm, memory_resource* registered_upstream,
+            memory_resource* plain_upstream, const nccl_pool_options& options,
+            const detail::nccl_calls& calls)
+      : options_(checked(comm, options)),
+        owned_(owned_if(registered_upstream == nullptr, comm, calls)),
+        registering_(registered_upstream != nullptr ? *registered_upstream
+                                                    : owned_->nccl_memory,
+                     comm, calls),
         registered_(registering_, options_.registered_pool),
-        plain_(*device_memory_, options_.plain_pool),
+        plain_(plain_upstream != nullptr ? *plain_upstream : owned_->device_memory,
+               options_.plain_pool),
         router_(registered_, plain_,
                 {.min_bytes = options_.registered_min_bytes,
                  .max_bytes = options_.registered_max_bytes}) {}
-
-  static int communicator_device(ncclComm_t comm, const detail::nccl_calls& calls) {
-    if (comm == nullptr) {
-      throw std::invalid_argument("cudamem: nccl_pool: null communicator");
-    }
-    int device = -1;
-    detail::check_nccl_with(calls, calls.comm_device(comm, &device), "ncclCommCuDevice",
-                            std::source_location::current());
-    return device;
-  }
 
   static nccl_pool_options checked(ncclComm_t comm, const nccl_pool_options& options) {
     if (comm == nullptr) {
@@ -158,11 +149,20 @@ class nccl_pool {
     return options;
   }
 
+  static std::optional<owned_upstreams> owned_if(bool own, ncclComm_t comm,
+                                                 const detail::nccl_calls& calls) {
+    if (!own) {
+      return std::nullopt;
+    }
+    int device = -1;
+    detail::check_nccl_with(calls, calls.comm_device(comm, &device), "ncclCommCuDevice",
+                            std::source_location::current());
+    return std::optional<owned_upstreams>(std::in_place, device);
+  }
+
   // Declared in the order they must be made; destroyed in the reverse order.
-  std::optional<int> device_;
-  std::optional<nccl_mem_resource> nccl_memory_;
-  std::optional<device_resource> device_memory_;
   nccl_pool_options options_;
+  std::optional<owned_upstreams> owned_;
   nccl_registering_adaptor registering_;
   pool_resource registered_;
   pool_resource plain_;

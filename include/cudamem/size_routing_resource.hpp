@@ -95,8 +95,7 @@ class size_routing_resource final : public memory_resource {
         in_range_(&in_range),
         otherwise_(&otherwise),
         min_bytes_(range.min_bytes),
-        max_bytes_(range.max_bytes),
-        width_(range.max_bytes - range.min_bytes) {}
+        max_bytes_(range.max_bytes) {}
 
   [[nodiscard]] memory_resource& in_range_resource() const noexcept { return *in_range_; }
   [[nodiscard]] memory_resource& otherwise_resource() const noexcept { return *otherwise_; }
@@ -107,7 +106,7 @@ class size_routing_resource final : public memory_resource {
   [[nodiscard]] bool routes_in_range(std::size_t bytes) const noexcept {
     // One unsigned comparison: below min_bytes, bytes - min_bytes wraps around to a number
     // larger than the range's width, so this is min_bytes <= bytes <= max_bytes.
-    return bytes - min_bytes_ <= width_;
+    return bytes - min_bytes_ <= max_bytes_ - min_bytes_;
   }
   /// The resource a request (or a free) of `bytes` goes to.
   [[nodiscard]] memory_resource& resource_for(std::size_t bytes) const noexcept {
@@ -206,7 +205,6 @@ class size_routing_resource final : public memory_resource {
   memory_resource* otherwise_;
   std::size_t min_bytes_;
   std::size_t max_bytes_;
-  std::size_t width_;  // max_bytes_ - min_bytes_, for routes_in_range's one comparison
 };
 
 }  // namespace cudamem
