@@ -77,6 +77,9 @@ def search(torch, model, optimizer, start, increment, steps):
                 raise
             print("NOTE %s failed at batch %d: %s" % (common.allocator_name(), batch,
                                                       str(e).strip().splitlines()[0][:300]))
+            free, total = torch.cuda.mem_get_info()  # what the driver had left for libraries
+            print("NOTE device free after the failure: %.0f MiB of %.0f MiB"
+                  % (free / common.MiB, total / common.MiB))
             common.print_cudamem_notes()
             return largest, batch
         largest = batch

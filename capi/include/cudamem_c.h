@@ -30,6 +30,9 @@
  *   grow_ahead_bytes    vm_pool: most memory to make ahead of need (0: never); default 4 GiB
  *   handle_bytes        vm_pool: size of a physical handle (a multiple of 2 MiB; default
  *                       4 MiB: tensors waste less than with vm_resource's 64 MiB)
+ *   keep_free_bytes     vm_pool: device memory its growth leaves free for the rest of the
+ *                       process while recycling its own free memory can serve a request
+ *                       (0: grow while the device has room); default DEFAULT_KEEP_FREE
  *   simulate_bytes      tests: a pretend device of this size, no GPU touched (vm_pool, pool)
  *   raise_on_oom        torch entry points: 1 (default) throw at a failed allocation; 0 return
  *                       null (what torch.cuda.MemPool's caching allocator expects)

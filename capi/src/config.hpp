@@ -12,7 +12,7 @@
 //   the value, where it came from (the variable's name, or the caller's label) and what would
 //   be accepted. Nothing is applied from a text or an environment that has an error in it.
 // - Keys (see cudamem_c.h): resource, limit_bytes, grow_ahead_bytes, handle_bytes,
-//   simulate_bytes, raise_on_oom. A key that does not apply to the resource chosen
+//   keep_free_bytes, simulate_bytes, raise_on_oom. A key that does not apply to the resource chosen
 //   (grow_ahead_bytes for `pool`) is an error, checked once all keys are in (validate()), so
 //   the order of keys and sources does not matter.
 // - Sizes: decimal digits, then optionally a unit K/KiB, M/MiB, G/GiB, T/TiB (powers of
@@ -60,20 +60,25 @@ enum class resource_choice { vm_pool, pool, async };
 /// mapped, a few milliseconds per GiB of growth.
 inline constexpr std::size_t default_handle_bytes = std::size_t{4} << 20;
 
+/// The vm_pool's keep_free_bytes for this library's users unless they set it (C++'s vm_pool:
+/// 0). PLACEHOLDER
+inline constexpr std::size_t default_keep_free_bytes = 0;
+
 /// What an allocator is made of. Unset optionals mean "the resource's own default".
 struct allocator_config {
   resource_choice resource = resource_choice::vm_pool;
   std::optional<std::size_t> limit_bytes;       ///< a limiting_adaptor with this budget
   std::optional<std::size_t> grow_ahead_bytes;  ///< vm_pool only
   std::optional<std::size_t> handle_bytes;      ///< vm_pool only; unset: default_handle_bytes
+  std::optional<std::size_t> keep_free_bytes;   ///< vm_pool only; unset: default_keep_free_bytes
   std::optional<std::size_t> simulate_bytes;    ///< a pretend device (tests)
   bool raise_on_oom = true;                     ///< the torch entry points throw (else null)
 };
 
 /// The keys, in the order describe() prints them.
 inline constexpr std::string_view config_keys[] = {
-    "resource", "limit_bytes", "grow_ahead_bytes", "handle_bytes", "simulate_bytes",
-    "raise_on_oom"};
+    "resource", "limit_bytes", "grow_ahead_bytes", "handle_bytes", "keep_free_bytes",
+    "simulate_bytes", "raise_on_oom"};
 
 namespace detail {
 
@@ -180,6 +185,8 @@ inline void set_key(allocator_config& c, std::string_view key, std::string_view 
       detail::refuse(key, value, source, "must be a multiple of 2 MiB (the mapping granularity)");
     }
     c.handle_bytes = bytes;
+  } else if (key == "keep_free_bytes") {
+    c.keep_free_bytes = size_or_refuse(true);
   } else if (key == "simulate_bytes") {
     c.simulate_bytes = size_or_refuse(false);
   } else if (key == "raise_on_oom") {
@@ -222,6 +229,7 @@ inline void validate(const allocator_config& c, std::string_view source) {
   };
   only_vm_pool("grow_ahead_bytes", c.grow_ahead_bytes);
   only_vm_pool("handle_bytes", c.handle_bytes);
+  only_vm_pool("keep_free_bytes", c.keep_free_bytes);
   if (c.simulate_bytes && c.resource == resource_choice::async) {
     throw config_error("cudamem: simulate_bytes (set in " + std::string(source) +
                        " or by CUDAMEM_SIMULATE_BYTES) cannot simulate resource=async (it is "
@@ -276,6 +284,7 @@ void apply_environment(allocator_config& c, Getenv&& getenv) {
   if (c.resource == resource_choice::vm_pool) {
     s += ", grow_ahead_bytes=" + size(c.grow_ahead_bytes);
     s += ", handle_bytes=" + size(c.handle_bytes);
+    s += ", keep_free_bytes=" + size(c.keep_free_bytes);
   }
   if (c.simulate_bytes) {
     s += ", simulate_bytes=" + std::to_string(*c.simulate_bytes);

@@ -48,6 +48,7 @@ class device_stack {
         vm_pool_options o;
         o.grow_ahead_bytes = config.grow_ahead_bytes;
         o.handle_bytes = config.handle_bytes.value_or(default_handle_bytes);
+        o.keep_free_bytes = config.keep_free_bytes.value_or(default_keep_free_bytes);
         if (config.simulate_bytes) {
           cudamem::detail::simulated_vm_options sim;
           sim.capacity = *config.simulate_bytes;

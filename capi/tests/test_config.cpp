@@ -59,14 +59,18 @@ TEST_CASE("capi config: defaults, text, and describe") {
   CHECK(c.raise_on_oom);
   CHECK(describe(c) ==
         "resource=vm_pool, limit_bytes=none, grow_ahead_bytes=default, handle_bytes=default, "
-        "raise_on_oom=1");
+        "keep_free_bytes=default, raise_on_oom=1");
   apply_config_text(c, " limit_bytes = 8GiB ,grow_ahead_bytes=0,, handle_bytes=32MiB ", "test");
   CHECK(c.limit_bytes == 8 * GiB);
   CHECK(c.grow_ahead_bytes == 0u);
   CHECK(c.handle_bytes == 32 * MiB);
   CHECK(describe(c) ==
         "resource=vm_pool, limit_bytes=8589934592, grow_ahead_bytes=0, handle_bytes=33554432, "
-        "raise_on_oom=1");
+        "keep_free_bytes=default, raise_on_oom=1");
+  apply_config_text(c, "keep_free_bytes=1GiB", "test");
+  CHECK(c.keep_free_bytes == GiB);
+  apply_config_text(c, "keep_free_bytes=0", "test");  // 0: grow while the device has room
+  CHECK(c.keep_free_bytes == 0u);
 
   allocator_config p;
   apply_config_text(p, "resource=Pool, raise_on_oom=off, simulate_bytes=1GiB", "test");
@@ -100,6 +104,11 @@ TEST_CASE("capi config: bad values are refused with the key, the value and the s
   CHECK_THAT(refusal([&] { apply_config_text(c, "grow_ahead_bytes=0, resource=pool", "x"); }),
              Catch::Contains("grow_ahead_bytes (set in x or by CUDAMEM_GROW_AHEAD_BYTES) "
                              "applies to resource=vm_pool only, not resource=pool"));
+  CHECK_THAT(refusal([&] { apply_config_text(c, "resource=pool, keep_free_bytes=1GiB", "x"); }),
+             Catch::Contains("keep_free_bytes (set in x or by CUDAMEM_KEEP_FREE_BYTES) "
+                             "applies to resource=vm_pool only, not resource=pool"));
+  CHECK_THAT(refusal([&] { apply_config_text(c, "keep_free_bytes=-1", "x"); }),
+             Catch::Contains("keep_free_bytes=-1 (from x): not a size"));
   CHECK_THAT(refusal([&] { apply_config_text(c, "resource=async, simulate_bytes=1GiB", "x"); }),
              Catch::Contains("cannot simulate resource=async"));
   // All or nothing: a good key before a bad one is not applied either.

@@ -218,8 +218,20 @@ struct vm_resource_options {
   std::optional<std::size_t> grow_ahead_bytes;
   /// Free device memory growth ahead never takes the device below (it asks the device once per
   /// batch); nullopt: default_grow_ahead_floor(the device's total memory). The resource's own
-  /// growth for a request is not bounded by it.
+  /// growth for a request is not bounded by it (see keep_free_bytes).
   std::optional<std::size_t> grow_ahead_floor_bytes;
+  /// Free device memory the resource's own growth for a request leaves to the rest of the
+  /// process while its own free memory can serve the request instead; 0 (the default): grow
+  /// while the device has room. Why. Below this, a request that finds no fit recycles free
+  /// handles first (a compaction: the host waits for the frees on them) and creates only what
+  /// recycling cannot give, so the footprint stays near what is in use, and the memory that
+  /// libraries take outside every allocator in the middle of a run (cuDNN's and cuBLAS's
+  /// kernels loaded on first use, the local memory a new kernel needs; the grow_ahead floor's
+  /// comment measures them) is still there. Without it, a resource that has once filled the
+  /// device keeps it full: it recycles what a request lacks, never more. It is not a limit:
+  /// a request that recycling cannot serve still grows into the reserve, as it would without
+  /// it. Growth ahead keeps at least this much free too. Costs one cudaMemGetInfo per growth.
+  std::size_t keep_free_bytes = 0;
 };
 
 /// The physical handles under one block, in address order: they tile
@@ -260,6 +272,9 @@ struct vm_resource_stats {
                                            ///< growth thread, or the rest of a growth)
   std::size_t given_back_ahead_bytes = 0;  ///< held ahead and given back: trim(), and for
                                            ///< other resources of the process short of memory
+  std::size_t kept_free_compactions = 0;   ///< of compactions: recycled rather than grown
+                                           ///< because growth would have left the device
+                                           ///< less free than keep_free_bytes
   bool growth_ahead_held_back = false;     ///< growth ahead waits for a growth of its own
                                            ///< (after a give-back, or at the floor)
 };
@@ -374,6 +389,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
     s.handles_created_ahead = calls.handles_created_ahead;
     s.held_ahead_bytes = compactor_.tail_bytes();
     s.given_back_ahead_bytes = calls.bytes_given_back_ahead;
+    s.kept_free_compactions = calls.kept_free_compactions;
     s.growth_ahead_held_back = compactor_.ahead_held_back();
     return s;
   }
@@ -421,8 +437,10 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
   static detail::vm_config make_config(const detail::vm_mapping_layer* layer,
                                        const vm_resource_options& options) {
     detail::vm_config c = detail::vm_config::from(layer, options);  // throws for a null layer
-    c.ahead_floor = options.grow_ahead_floor_bytes.value_or(
-        default_grow_ahead_floor(layer->device_total()));
+    c.ahead_floor = std::max(options.grow_ahead_floor_bytes.value_or(
+                                 default_grow_ahead_floor(layer->device_total())),
+                             options.keep_free_bytes);
+    c.keep_free = options.keep_free_bytes;
     return c;
   }
 

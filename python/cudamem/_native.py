@@ -28,7 +28,8 @@ _EXCEPTIONS = {
 }
 
 # The options install()/pool() take, beside `resource`: keys of the C configuration.
-SIZE_OPTIONS = ("limit_bytes", "grow_ahead_bytes", "handle_bytes", "simulate_bytes")
+SIZE_OPTIONS = ("limit_bytes", "grow_ahead_bytes", "handle_bytes", "keep_free_bytes",
+                "simulate_bytes")
 
 
 class Stats(ctypes.Structure):

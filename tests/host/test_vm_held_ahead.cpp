@@ -127,6 +127,22 @@ TEST_CASE("held ahead: growth ahead never takes the device below the floor; a re
   CHECK(s.layer.violations == 0);
 }
 
+TEST_CASE("held ahead: growth ahead keeps keep_free_bytes free too, whatever its own floor") {
+  vm_resource_options o = ahead_options(2 * GiB, 0);
+  o.keep_free_bytes = 1 * GiB;
+  own_device_vm s{4 * GiB, o};
+  std::vector<void*> blocks;
+  for (int i = 0; i < 40; ++i) {
+    blocks.push_back(s.vm.allocate(64 * MiB));
+    s.vm.wait_for_growth();
+    REQUIRE(4 * GiB - s.layer.physical_in_use() >= 1 * GiB);
+  }
+  CHECK(s.vm.vm_stats().handles_created_ahead > 0);
+  CHECK(s.vm.vm_stats().mapped_bytes == 3 * GiB);
+  free_all(s.vm, blocks, 64 * MiB);
+  CHECK(s.layer.violations == 0);
+}
+
 TEST_CASE("held ahead: trim gives back what was made ahead; growth ahead waits for a growth of "
           "its own") {
   own_device_vm s{8 * GiB, ahead_options(1 * GiB, 0)};

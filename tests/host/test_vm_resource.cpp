@@ -466,6 +466,84 @@ TEST_CASE("vm_resource: growth comes before recycling while the device has room"
   CHECK(s.layer.violations == 0);
 }
 
+TEST_CASE("vm_resource: keep_free_bytes recycles before growing into the reserve") {
+  // 1 GiB device, 256 MiB kept free. Growth goes up to the reserve; there a request that
+  // finds no fit recycles free handles although the device has room, and grows into the
+  // reserve only for what recycling cannot give: the reserve is for the rest of the process
+  // (a library's cudaMalloc), not a limit.
+  vm_resource_options o = handles_of(32 * MiB, 128 * MiB);
+  o.keep_free_bytes = 256 * MiB;
+  sim_vm s{GiB, o};
+  std::vector<void*> small;
+  for (int i = 0; i < 8; ++i) {
+    small.push_back(s.vm.allocate(32 * MiB));
+  }
+  for (int i = 0; i < 8; i += 2) {
+    s.vm.deallocate(small[static_cast<std::size_t>(i)], 32 * MiB);  // four lone 32 MiB holes
+  }
+  std::vector<void*> fill;
+  for (int i = 0; i < 8; ++i) {
+    fill.push_back(s.vm.allocate(64 * MiB));
+  }
+  // Growths of 128 MiB stop where they would cut into the reserve: exactly 768 MiB mapped.
+  CHECK(s.layer.physical_in_use() == 768 * MiB);
+  CHECK(s.vm.vm_stats().compactions == 0);
+  const auto calls = s.layer.calls;
+  void* moved = s.vm.allocate(64 * MiB);  // no fit, and growth would cut into the reserve
+  vm_resource_stats st = s.vm.vm_stats();
+  CHECK(st.compactions == 1);
+  CHECK(st.kept_free_compactions == 1);
+  CHECK(s.layer.calls.create == calls.create);  // not even a probe: recycling gave it all
+  CHECK(s.layer.physical_in_use() == 768 * MiB);
+  CHECK(s.layer.is_accessible(addr(moved), 64 * MiB));
+  // 128 MiB: two holes are left (64 MiB), so 64 MiB more is created, into the reserve, and
+  // no more (a growth does not round up into it).
+  void* both = s.vm.allocate(128 * MiB);
+  st = s.vm.vm_stats();
+  CHECK(st.compactions == 2);
+  CHECK(s.layer.physical_in_use() == 832 * MiB);
+  CHECK(s.layer.is_accessible(addr(both), 128 * MiB));
+  // Past the reserve it is the device's last bytes as without the option: a fill takes them.
+  std::vector<void*> rest;
+  while (s.layer.physical_in_use() < GiB) {
+    rest.push_back(s.vm.allocate(64 * MiB));
+  }
+  CHECK(rest.size() == 3);
+  CHECK_THROWS_AS(s.vm.allocate(64 * MiB), out_of_memory);
+  for (void* p : rest) {
+    s.vm.deallocate(p, 64 * MiB);
+  }
+  s.vm.deallocate(both, 128 * MiB);
+  s.vm.deallocate(moved, 64 * MiB);
+  for (void* p : fill) {
+    s.vm.deallocate(p, 64 * MiB);
+  }
+  for (int i = 1; i < 8; i += 2) {
+    s.vm.deallocate(small[static_cast<std::size_t>(i)], 32 * MiB);
+  }
+  CHECK(s.vm.release() == GiB);
+  CHECK(s.layer.violations == 0);
+}
+
+TEST_CASE("vm_resource: keep_free_bytes larger than the device: always recycle first") {
+  // Not an error: the smallest footprint, every growth only what recycling cannot give.
+  vm_resource_options o = handles_of(32 * MiB, 256 * MiB);
+  o.keep_free_bytes = 2 * GiB;
+  sim_vm s{GiB, o};
+  void* a = s.vm.allocate(32 * MiB);
+  CHECK(s.layer.physical_in_use() == 32 * MiB);  // no 256 MiB growth
+  void* b = s.vm.allocate(64 * MiB);
+  CHECK(s.layer.physical_in_use() == 96 * MiB);
+  s.vm.deallocate(a, 32 * MiB);
+  void* c = s.vm.allocate(64 * MiB);  // the freed 32 MiB recycled, 32 MiB created
+  CHECK(s.layer.physical_in_use() == 128 * MiB);
+  CHECK(s.vm.vm_stats().kept_free_compactions == 1);
+  s.vm.deallocate(b, 64 * MiB);
+  s.vm.deallocate(c, 64 * MiB);
+  CHECK(s.vm.release() == 128 * MiB);
+  CHECK(s.layer.violations == 0);
+}
+
 TEST_CASE("vm_resource: out_of_memory carries a report; nothing changes on failure") {
   sim_vm s{256 * MiB, handles_of(32 * MiB)};
   void* a = s.vm.allocate(200 * MiB);

@@ -29,6 +29,10 @@
 //   cover the handles moved: after that their memory is idle wherever it is mapped next.
 //   Once the device has said "full", recycling comes first, and the device is probed (one
 //   create) only for what recycling cannot give.
+// - keep_free_bytes (0 by default): while growth would leave the device less free than that,
+//   recycling comes first too, and only what it cannot give is created (into the reserve), so
+//   the footprint stays near what is in use and the rest of the process keeps the reserve
+//   (vm_resource_options::keep_free_bytes says why). A growth never rounds up into it.
 // - Everything new is mapped at the frontier with one cuMemSetAccess per batch. A failure
 //   half-way undoes the batch: new mappings go, fresh handles go back, recycled ones return
 //   to where they were.
@@ -76,6 +80,7 @@ struct vm_config {
   std::size_t reservation = 0;                ///< bytes of one address-space reservation
   std::size_t reservations_before_sweep = 0;
   std::size_t ahead_floor = 0;  ///< free device memory growth ahead leaves (resolved option)
+  std::size_t keep_free = 0;    ///< free device memory growth for a request leaves if it can
 
   /// The config of a vm_resource with options `o` (a vm_resource_options) over `layer`;
   /// throws std::invalid_argument for a null layer or options no resource can work with.
@@ -121,6 +126,7 @@ struct vm_call_counts {
   std::size_t unmaps = 0;
   std::size_t handles_created_ahead = 0;  ///< of handles_created: by the growth thread
   std::size_t bytes_given_back_ahead = 0;  ///< by release_tail (trim, or for other resources)
+  std::size_t kept_free_compactions = 0;   ///< of compactions: chosen over growth by keep_free
 };
 
 class vm_compactor {
@@ -183,16 +189,18 @@ class vm_compactor {
     }
     const std::size_t missing =
         vm_config::round_up(needed > have ? needed - have : 1, config_.granule);
-    // Growth first while the device has room; once it has said "full", recycling first, and
-    // a probe of the device only for what recycling cannot give (see the header).
+    // Growth first while the device has room above keep_free; once it has said "full", or
+    // growth would take it below keep_free, recycling first, and growth (or a probe of the
+    // device) only for what recycling cannot give (see the header).
     std::vector<moved_handle> all;
     std::size_t created = 0;
     std::vector<recyclable_run> runs;
     std::size_t recyclable = 0;
-    const bool growth_first = !handles_.device_full;
+    const std::size_t growable = handles_.device_full ? 0 : growable_bytes();
+    const bool growth_first = !handles_.device_full && growable >= missing;
     try {
       if (growth_first) {
-        created = create_handles(missing, all, cause);
+        created = create_handles(missing, all, cause, growable);
       }
       if (created < missing && merge_neighbours()) {
         map_at_frontier(all, created);  // what growth gave stays free at the frontier
@@ -201,7 +209,7 @@ class vm_compactor {
       if (created < missing) {
         recyclable = find_recyclable(missing - created, runs);
         if (!growth_first && recyclable < missing) {
-          created = create_handles(missing - recyclable, all, cause);  // the probe
+          created = create_handles(missing - recyclable, all, cause, 0);  // only what is missing
         }
       }
     } catch (...) {
@@ -221,6 +229,9 @@ class vm_compactor {
       try {
         recycled = take_recyclable(std::move(runs), missing - created);
         ++counts_.compactions;
+        if (!growth_first && !handles_.device_full) {
+          ++counts_.kept_free_compactions;  // the device had room: keep_free chose this
+        }
         // Room first, so that recording the aliases below cannot throw once they are mapped.
         // Geometric, not exact: an exact reserve would copy the whole list at every
         // compaction, quadratic in the aliases a long-lived pool accumulates.
@@ -539,23 +550,37 @@ class vm_compactor {
     free_.insert(start, {mapped, nullptr, true});
   }
 
+  /// What growth may create without taking the device below keep_free_bytes: unbounded when
+  /// that is 0 or the device does not say how much it has free (one cudaMemGetInfo).
+  [[nodiscard]] std::size_t growable_bytes() const noexcept {
+    if (config_.keep_free == 0) {
+      return ~std::size_t{0};
+    }
+    const std::optional<std::size_t> free = layer_.device_free();
+    if (!free) {
+      return ~std::size_t{0};
+    }
+    return *free > config_.keep_free ? *free - config_.keep_free : 0;
+  }
+
   /// Creates handles for at least `required` bytes into `out`; returns the bytes created
   /// (less than required, with `cause`, when the device or the limit says no). Every handle
   /// is `handle` bytes: then any free run of k handles holds the same blocks wherever it lies,
   /// and a run that has been freed and reused many times places a block exactly as a fresh
   /// one would (a smaller handle in the middle of a run would change how many handles a
   /// block spans). So the device's last part-handle is left to the driver. A growth creates
-  /// at least `growth` bytes while the device gives them; once it has said "full", only what
-  /// is required (usually one failing call: the probe).
+  /// at least `growth` bytes while the device gives them and `spare` bytes (growable_bytes)
+  /// allow; once it has said "full", or with `spare` 0, only what is required (usually one
+  /// failing call: the probe).
   std::size_t create_handles(std::size_t required, std::vector<moved_handle>& out,
-                             std::string& cause) {
+                             std::string& cause, std::size_t spare) {
     const std::size_t handle = config_.handle;
+    const std::size_t growth =
+        handles_.device_full
+            ? 0
+            : std::min(vm_config::round_up(config_.growth, handle), spare / handle * handle);
     const std::size_t wanted =
-        required == 0 ? 0
-        : handles_.device_full
-            ? vm_config::round_up(required, handle)
-            : std::max(vm_config::round_up(required, handle),
-                       vm_config::round_up(config_.growth, handle));
+        required == 0 ? 0 : std::max(vm_config::round_up(required, handle), growth);
     std::size_t created = 0;
     while (created < wanted) {
       if (handles_.mapped_bytes + created + handle > config_.limit) {
