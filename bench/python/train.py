@@ -7,7 +7,8 @@ one allocator per process (run_all.py names it in the environment):
         largest batch that ran all its steps (the seeds' situation: a program that grows its
         batch, on an allocator that has served every shape before)
     python3 train.py speed --batch B [--free-gib N]
-        steps per second at batch B (median of 5 timed windows of 10 steps, after 5 warm-up)
+        steps per second at batch B (median of 5 timed windows of 10 steps, after a warm-up
+        step at every length)
 """
 import argparse
 import random
@@ -88,10 +89,14 @@ def search(torch, model, optimizer, start, increment, steps):
 
 
 def speed(torch, model, optimizer, batch):
-    rng = random.Random(2)
-    for _ in range(5):
-        step(torch, model, optimizer, batch, draw_length(rng))
+    # Warm-up: one step at every length. cuDNN builds an attention graph for each new shape
+    # and CUDA loads kernels on their first launch (each load waits for the device): costs a
+    # long run has paid once, which left in the timed windows made one process's steps/s
+    # differ from the next one's by up to 13% whatever the allocator.
+    for length in range(MIN_LEN, MAX_LEN + 1, PAD):
+        step(torch, model, optimizer, batch, length)
     torch.cuda.synchronize()
+    rng = random.Random(2)
     rates = []
     for _ in range(5):
         lengths = [draw_length(rng) for _ in range(10)]

@@ -32,7 +32,7 @@
  *                       4 MiB: tensors waste less than with vm_resource's 64 MiB)
  *   keep_free_bytes     vm_pool: device memory its growth leaves free for the rest of the
  *                       process while recycling its own free memory can serve a request
- *                       (0: grow while the device has room); default DEFAULT_KEEP_FREE
+ *                       (0: grow while the device has room); default 1 GiB
  *   simulate_bytes      tests: a pretend device of this size, no GPU touched (vm_pool, pool)
  *   raise_on_oom        torch entry points: 1 (default) throw at a failed allocation; 0 return
  *                       null (what torch.cuda.MemPool's caching allocator expects)

@@ -60,9 +60,18 @@ enum class resource_choice { vm_pool, pool, async };
 /// mapped, a few milliseconds per GiB of growth.
 inline constexpr std::size_t default_handle_bytes = std::size_t{4} << 20;
 
-/// The vm_pool's keep_free_bytes for this library's users unless they set it (C++'s vm_pool:
-/// 0). PLACEHOLDER
-inline constexpr std::size_t default_keep_free_bytes = 0;
+/// The vm_pool's keep_free_bytes for this library's users unless they set it: 1 GiB (C++'s
+/// vm_pool: 0). Why. A framework's process takes device memory outside its allocator in the
+/// middle of a run: cuDNN and cuBLAS kernels loaded on first use, the local memory a new
+/// kernel needs (vm_resource.hpp measures them: 140 MiB of modules, 792 MiB for a kernel with
+/// 4 KiB of stack per thread). Without a reserve, a vm_pool that has once filled the device
+/// keeps it full, and those fail: a transformer's training loop on an 8 GiB budget stopped at
+/// batch 28 with cuDNN's attention failing ("mha_graph.execute"), where expandable segments
+/// ran 30. With 512 MiB, 1 GiB or 2 GiB kept free it ran 30 (H100, bench/python/train.py);
+/// 1 GiB covers one such kernel and the modules. It is not a limit: a request that recycling
+/// cannot serve grows into it. The price is compactions (host waits) instead of growth
+/// within the last GiB of the device.
+inline constexpr std::size_t default_keep_free_bytes = std::size_t{1} << 30;
 
 /// What an allocator is made of. Unset optionals mean "the resource's own default".
 struct allocator_config {

@@ -190,6 +190,34 @@ TEST_CASE("c api: the vm_pool's handles are 4 MiB unless handle_bytes says other
   }
 }
 
+TEST_CASE("c api: the vm_pool keeps 1 GiB of the device free while recycling can serve") {
+  // 2 GiB device, no growth ahead. 1 GiB of 64 MiB blocks, every other one freed, then a
+  // 128 MiB block, which no hole holds. With the default keep_free_bytes (1 GiB) the device
+  // is at the reserve: two holes are recycled, nothing is made (nothing held ahead). With 0
+  // it grows by a growth step (256 MiB), and the 128 MiB it did not need is held ahead.
+  for (const auto& [text, held_ahead] :
+       {std::pair<const char*, std::uint64_t>{"simulate_bytes=2GiB, grow_ahead_bytes=0", 0},
+        {"simulate_bytes=2GiB, grow_ahead_bytes=0, keep_free_bytes=0", 128 * MiB}}) {
+    INFO(text);
+    const int id = make(text);
+    destroyer d{id};
+    std::vector<void*> blocks(16);
+    for (void*& p : blocks) {
+      REQUIRE(cudamem_allocate(id, 64 * MiB, 0, nullptr, &p) == CUDAMEM_OK);
+    }
+    for (std::size_t i = 0; i < blocks.size(); i += 2) {
+      REQUIRE(cudamem_deallocate(id, blocks[i], 64 * MiB, 0, nullptr) == CUDAMEM_OK);
+    }
+    void* big = nullptr;
+    REQUIRE(cudamem_allocate(id, 128 * MiB, 0, nullptr, &big) == CUDAMEM_OK);
+    CHECK(stats_of(id).held_ahead_bytes == held_ahead);
+    REQUIRE(cudamem_deallocate(id, big, 128 * MiB, 0, nullptr) == CUDAMEM_OK);
+    for (std::size_t i = 1; i < blocks.size(); i += 2) {
+      REQUIRE(cudamem_deallocate(id, blocks[i], 64 * MiB, 0, nullptr) == CUDAMEM_OK);
+    }
+  }
+}
+
 TEST_CASE("c api: memory a vm_pool made ahead of need is counted, and release gives it back") {
   // The growth thread runs on its own: the test waits (at most 10 s) for its first batch.
   const int id = make("simulate_bytes=8GiB, grow_ahead_bytes=1GiB");

@@ -17,7 +17,7 @@ of bytes or strings such as "4GiB"):
     grow_ahead_bytes  vm_pool: most memory made ahead of need (0: none; default 4 GiB)
     handle_bytes      vm_pool: size of a physical handle (a multiple of 2 MiB; default 4 MiB)
     keep_free_bytes   vm_pool: device memory left free for cuDNN, cuBLAS and the driver
-                      while its own free memory can serve a request (default DEFAULT_KEEP_FREE)
+                      while its own free memory can serve a request (default 1 GiB)
 Environment variables CUDAMEM_RESOURCE, CUDAMEM_LIMIT_BYTES, ... set the same, for programs
 you do not edit; install()'s arguments override them.
 
