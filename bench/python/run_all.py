@@ -1,15 +1,17 @@
 """Every PyTorch benchmark, every allocator, each run in a fresh process; one table at the end.
 
-    python3 bench/python/run_all.py [--only overhead,frag,train] [--frag-free-gib N]
+    python3 bench/python/run_all.py [--only overhead,frag,train,speed] [--frag-free-gib N]
                                     [--train-free-gib N] [--seeds 1,2,3]
                                     [--variants OPTIONS ...] [--allocators A,B,...]
                                     [--train-start B --train-step S] [--train-batch B]
-                                    [--speed-passes N] [--notes]
+                                    [--speed-passes N] [--speed-window STEPS] [--notes]
 
 --variants adds cudamem with other options as more columns ("resource=pool",
 "handle_bytes=16MiB,grow_ahead_bytes=0": cudamem.torch.install()'s keywords); --allocators
-keeps only the named columns (default, expandable, cudamem) and the variants; --train-start/--train-step skip the coarse search; --notes
-prints what each cudamem child said about its state (stats, the failed allocation's report).
+keeps only the named columns (default, expandable, cudamem) and the variants;
+--train-start/--train-step skip the coarse search; --only speed measures steps/s alone, at
+--train-batch; --notes prints what each cudamem child said about its state (stats, the failed
+allocation's report).
 
 Allocators: PyTorch's default caching allocator, the same with expandable_segments:True, and
 cudamem.torch.install() (vm_pool). The package is imported from ../../python; its library is
@@ -51,6 +53,28 @@ def number(result, index=2):
     return float(result.split()[index])
 
 
+def speed_row(allocators, batch, free, args):
+    """Steps/s at `batch` for each allocator: a table row. Steps/s from one process varied by
+    up to 1.5x between runs on different hosts: each allocator runs in `--speed-passes`
+    processes, the passes interleaved (all allocators once, then again), and the median
+    counts."""
+    rates = {a: [] for a in allocators}
+    for n in range(args.speed_passes):
+        # The order turns round every pass: a host that slows down (or speeds up) during the
+        # run does not favour whoever always comes first.
+        for a in (allocators if n % 2 == 0 else allocators[::-1]):
+            r = run("train.py", a, "speed", "--batch", batch, "--free-gib", free,
+                    "--window", args.speed_window)
+            if r:
+                rates[a].append(number(r[0]))
+    for a, v in rates.items():  # the spread behind each median
+        if v:
+            print("  passes %s: %s" % (a, " ".join("%.2f" % x for x in v)), flush=True)
+    row = {a: common.median(v) for a, v in rates.items() if v}
+    return ("steps/s at batch %d (median of %d passes)" % (batch, args.speed_passes), row,
+            "%.3f")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="overhead,frag,train")
@@ -64,6 +88,7 @@ def main():
     parser.add_argument("--train-batch", type=int, default=0)
     parser.add_argument("--notes", action="store_true")
     parser.add_argument("--speed-passes", type=int, default=3)
+    parser.add_argument("--speed-window", type=int, default=50)
     args = parser.parse_args()
     global show_notes
     show_notes = args.notes
@@ -123,20 +148,12 @@ def main():
                 if r:
                     row[a] = number(r[0])
             table.append(("largest batch, 50 steps (%g GiB free)" % free, row, "%.0f"))
-            if row or args.train_batch:
+            if (row or args.train_batch) and "speed" not in parts:
                 batch = args.train_batch or max(2, int(min(row.values())) // 2)
-                # Steps/s from one process varied by up to 1.5x between runs on different
-                # hosts: each allocator runs in `--speed-passes` processes, the passes
-                # interleaved (all allocators once, then again), and the median counts.
-                rates = {a: [] for a in allocators}
-                for _ in range(args.speed_passes):
-                    for a in allocators:
-                        r = run("train.py", a, "speed", "--batch", batch, "--free-gib", free)
-                        if r:
-                            rates[a].append(number(r[0]))
-                row = {a: common.median(v) for a, v in rates.items() if v}
-                table.append(("steps/s at batch %d (median of %d passes)"
-                              % (batch, args.speed_passes), row, "%.3f"))
+                table.append(speed_row(allocators, batch, free, args))
+
+    if "speed" in parts:  # steps/s alone, at --train-batch (default: 2)
+        table.append(speed_row(allocators, args.train_batch or 2, args.train_free_gib, args))
 
     print()
     names = {"expandable": "expandable_segments"}

@@ -7,8 +7,8 @@ one allocator per process (run_all.py names it in the environment):
         largest batch that ran all its steps (the seeds' situation: a program that grows its
         batch, on an allocator that has served every shape before)
     python3 train.py speed --batch B [--free-gib N]
-        steps per second at batch B (median of 5 timed windows of 10 steps, after a warm-up
-        step at every length)
+        steps per second at batch B (median of 5 timed windows of --window steps, 50 by
+        default, after a warm-up step at every length)
 """
 import argparse
 import random
@@ -88,7 +88,7 @@ def search(torch, model, optimizer, start, increment, steps):
         batch += increment
 
 
-def speed(torch, model, optimizer, batch):
+def speed(torch, model, optimizer, batch, window):
     # Warm-up: one step at every length. cuDNN builds an attention graph for each new shape
     # and CUDA loads kernels on their first launch (each load waits for the device): costs a
     # long run has paid once, which left in the timed windows made one process's steps/s
@@ -99,12 +99,12 @@ def speed(torch, model, optimizer, batch):
     rng = random.Random(2)
     rates = []
     for _ in range(5):
-        lengths = [draw_length(rng) for _ in range(10)]
+        lengths = [draw_length(rng) for _ in range(window)]
         t = time.perf_counter()
         for length in lengths:
             step(torch, model, optimizer, batch, length)
         torch.cuda.synchronize()
-        rates.append(10 / (time.perf_counter() - t))
+        rates.append(window / (time.perf_counter() - t))
     return common.median(rates)
 
 
@@ -116,6 +116,7 @@ def main():
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--free-gib", type=float, default=0)
+    parser.add_argument("--window", type=int, default=50, help="speed: steps per timed window")
     args = parser.parse_args()
     allocator = common.set_up()
     import torch
@@ -127,7 +128,7 @@ def main():
         print("RESULT search %s %d (batch %d failed)" % (allocator, largest, failed))
     else:
         print("RESULT speed %s %.3f steps/s at batch %d"
-              % (allocator, speed(torch, model, optimizer, args.batch), args.batch))
+              % (allocator, speed(torch, model, optimizer, args.batch, args.window), args.batch))
         common.print_cudamem_notes()
     sys.stdout.flush()
 
