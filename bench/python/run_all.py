@@ -5,6 +5,7 @@
                                     [--variants OPTIONS ...] [--allocators A,B,...]
                                     [--train-start B --train-step S] [--train-batch B]
                                     [--speed-passes N] [--speed-window STEPS] [--notes]
+                                    [--pin-cpus LIST]
 
 --variants adds cudamem with other options as more columns ("resource=pool",
 "handle_bytes=16MiB,grow_ahead_bytes=0": cudamem.torch.install()'s keywords); --allocators
@@ -28,10 +29,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 show_notes = False  # --notes: print what the children said about cudamem's state
+pin_cpus = ""  # --pin-cpus: a taskset list every child runs on
 
 
 def run(script, allocator, *arguments, timeout=900):
     command = [sys.executable, os.path.join(HERE, script)] + [str(a) for a in arguments]
+    if pin_cpus:  # the same cores for every child (--pin-cpus)
+        command = ["taskset", "-c", pin_cpus] + command
     done = subprocess.run(command, env=common.environment_for(allocator), capture_output=True,
                           text=True, timeout=timeout)
     results = [line[len("RESULT "):] for line in done.stdout.splitlines()
@@ -89,9 +93,12 @@ def main():
     parser.add_argument("--notes", action="store_true")
     parser.add_argument("--speed-passes", type=int, default=3)
     parser.add_argument("--speed-window", type=int, default=50)
+    parser.add_argument("--pin-cpus", default="", help="run every child on these cores "
+                        "(taskset -c list, e.g. the GPU's NUMA node: nvidia-smi topo -m)")
     args = parser.parse_args()
-    global show_notes
+    global show_notes, pin_cpus
     show_notes = args.notes
+    pin_cpus = args.pin_cpus
     allocators = list(common.ALLOCATORS) + ["cudamem:" + v for v in args.variants]
     if args.allocators:  # the named ones, and every --variants column
         wanted = args.allocators.split(",")

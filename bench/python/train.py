@@ -105,6 +105,7 @@ def speed(torch, model, optimizer, batch, window):
             step(torch, model, optimizer, batch, length)
         torch.cuda.synchronize()
         rates.append(window / (time.perf_counter() - t))
+    print("NOTE windows: " + " ".join("%.2f" % r for r in rates))
     return common.median(rates)
 
 
