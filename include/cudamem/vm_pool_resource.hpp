@@ -54,7 +54,11 @@
 //   ahead gives way: growth ahead never takes the device below a floor of free memory
 //   (grow_ahead_floor_bytes: 2 GiB or 1/32 of the device), and before any cudamem resource
 //   of the process fails for lack of device memory it is given back (trim() does it on
-//   demand; vm_stats().held_ahead_bytes says how much is held).
+//   demand; vm_stats().held_ahead_bytes says how much is held). `keep_free_bytes` (0 by
+//   default; the C API's PyTorch and CuPy stacks: 1 GiB) goes further: the upstream's growth
+//   for a request stops there too, and it recycles its own free handles first, so the memory
+//   that cuDNN, cuBLAS and the driver take outside any allocator in the middle of a run is
+//   still free (vm_resource.hpp says when that matters).
 // - Every chunk and large block is whole handles, so wholly free memory is wholly recyclable;
 //   only chunks smaller than a handle (the pool's last resort) share one (`stranded_bytes`
 //   reports free memory held that way). Measured over the simulated 80 GiB device: swiss

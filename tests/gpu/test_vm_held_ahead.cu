@@ -1,7 +1,8 @@
 // Memory a vm_pool holds ahead of need gives way to the rest of the process, on a real device
 // (detail/held_ahead.hpp): growth ahead stops at its floor of free memory; a cudaMallocAsync
 // pool (async_resource) and cudaMalloc (device_resource) filling the device beside a vm_pool
-// that grew ahead get that memory, and fail only when the device is truly full.
+// that grew ahead get that memory, and fail only when the device is truly full; a vm_pool
+// with keep_free_bytes recycles rather than grow into its reserve, which cudaMalloc then gets.
 #include <cudamem/async_resource.hpp>
 #include <cudamem/device_resource.hpp>
 #include <cudamem/stream.hpp>
@@ -83,6 +84,59 @@ TEST_CASE("vm_pool (GPU): growth ahead never takes the device below its floor; a
   pool.deallocate(big, 2 * GiB, 256, stream_view{});
   for (void* p : blocks) {
     pool.deallocate(p, 64 * MiB, 256, stream_view{});
+  }
+}
+
+TEST_CASE("vm_pool (GPU): keep_free_bytes leaves its reserve to cudaMalloc while recycling "
+          "serves", "[free-memory]") {
+  const std::size_t free_before = cudamem_test::free_device_memory();
+  REQUIRE(free_before > 8 * GiB);
+  vm_pool_options o;
+  o.keep_free_bytes = free_before - 4 * GiB;  // room for 4 GiB above the reserve
+  o.grow_ahead_bytes = 0;
+  vm_pool_resource pool{0, o};
+  if (pool.uses_plain_memory()) {
+    WARN("under compute-sanitizer vm_pool takes cudaMalloc memory: no virtual memory to keep");
+    return;
+  }
+  stream s;
+  std::vector<void*> blocks;
+  for (int i = 0; i < 16; ++i) {  // 4 GiB of blocks of the upstream's (a handle or more)
+    blocks.push_back(pool.allocate(256 * MiB, 256, s));
+  }
+  for (std::size_t i = 0; i < blocks.size(); i += 2) {
+    pool.deallocate(blocks[i], 256 * MiB, 256, s);  // eight 256 MiB holes
+  }
+  const std::size_t mapped = pool.vm_stats().mapped_bytes;
+  std::vector<void*> large;
+  for (int i = 0; i < 4; ++i) {  // no hole holds one: each recycles two, nothing grows
+    large.push_back(pool.allocate(512 * MiB, 256, s));
+    CHECK(cudaMemsetAsync(large.back(), 0x5a, 512 * MiB, s.get()) == cudaSuccess);
+  }
+  unsigned char last = 0;
+  REQUIRE(cudaMemcpyAsync(&last, static_cast<unsigned char*>(large.back()) + 512 * MiB - 1, 1,
+                          cudaMemcpyDeviceToHost, s.get()) == cudaSuccess);
+  s.synchronize();
+  const vm_pool_stats st = pool.vm_stats();
+  const std::size_t free_now = cudamem_test::free_device_memory();
+  CAPTURE(free_before, o.keep_free_bytes, free_now, mapped, st.mapped_bytes, st.compactions);
+  std::printf("keep_free: %zu MiB free before, %zu MiB kept, %zu MiB free after; %zu MiB "
+              "mapped; %zu compactions, %zu for the reserve\n",
+              free_before / MiB, o.keep_free_bytes / MiB, free_now / MiB, st.mapped_bytes / MiB,
+              st.compactions, st.kept_free_compactions);
+  CHECK(last == 0x5a);
+  CHECK(st.mapped_bytes == mapped);
+  CHECK(st.kept_free_compactions == 4);
+  CHECK(free_now + 128 * MiB >= o.keep_free_bytes);  // page tables: a little, not a handle
+  // The reserve is there for an allocation outside the pool.
+  void* foreign = nullptr;
+  CHECK(cudaMalloc(&foreign, o.keep_free_bytes - 512 * MiB) == cudaSuccess);
+  CHECK(cudaFree(foreign) == cudaSuccess);
+  for (void* p : large) {
+    pool.deallocate(p, 512 * MiB, 256, s);
+  }
+  for (std::size_t i = 1; i < blocks.size(); i += 2) {
+    pool.deallocate(blocks[i], 256 * MiB, 256, s);
   }
 }
 
