@@ -8,7 +8,7 @@ one allocator per process (run_all.py names it in the environment):
         batch, on an allocator that has served every shape before)
     python3 train.py speed --batch B [--free-gib N]
         steps per second at batch B (median of 5 timed windows of --window steps, 50 by
-        default, after a warm-up step at every length)
+        default, after a warm-up step at every length), and each window's rate
 """
 import argparse
 import random
@@ -105,8 +105,7 @@ def speed(torch, model, optimizer, batch, window):
             step(torch, model, optimizer, batch, length)
         torch.cuda.synchronize()
         rates.append(window / (time.perf_counter() - t))
-    print("NOTE windows: " + " ".join("%.2f" % r for r in rates))
-    return common.median(rates)
+    return rates
 
 
 def main():
@@ -128,8 +127,12 @@ def main():
         largest, failed = search(torch, model, optimizer, args.start, args.step, args.steps)
         print("RESULT search %s %d (batch %d failed)" % (allocator, largest, failed))
     else:
-        print("RESULT speed %s %.3f steps/s at batch %d"
-              % (allocator, speed(torch, model, optimizer, args.batch, args.window), args.batch))
+        rates = speed(torch, model, optimizer, args.batch, args.window)
+        # Every process draws the same lengths: window i is the same work in each, so
+        # run_all.py can compare window by window (the windows' rates close the line).
+        print("RESULT speed %s %.3f steps/s at batch %d, windows %s"
+              % (allocator, common.median(rates), args.batch,
+                 " ".join("%.3f" % r for r in rates)))
         common.print_cudamem_notes()
     sys.stdout.flush()
 
