@@ -92,6 +92,19 @@ def test_config_text_checks_names_and_types_in_python():
         _native.create(_native.config_text("f()", "pool", {"limit_bytes": "8GB"}))
     with pytest.raises(ValueError, match="applies to resource=vm_pool only"):
         _native.create(_native.config_text("f()", "pool", {"grow_ahead_bytes": 0}))
+    with pytest.raises(ValueError, match="keep_free_bytes .* applies to resource=vm_pool only"):
+        _native.create(_native.config_text("f()", "async", {"keep_free_bytes": "1GiB"}))
+    with pytest.raises(TypeError, match="keep_free_bytes must be an int"):
+        _native.config_text("f()", "vm_pool", {"keep_free_bytes": 0.5})
+
+
+def test_keep_free_bytes_is_configured_and_described():
+    allocator_id = _native.create(_native.config_text(
+        "f()", "vm_pool", {"simulate_bytes": "2GiB", "keep_free_bytes": "512MiB"}))
+    try:
+        assert "keep_free_bytes=536870912" in _native.describe(allocator_id)
+    finally:
+        _native.destroy(allocator_id)
 
 
 def test_describe_and_limit():
