@@ -33,6 +33,13 @@ vm_resource_options handles_of(std::size_t handle, std::size_t growth = 0) {
   return o;
 }
 
+/// 32 MiB handles, growths of `growth`, and `keep` bytes of the device kept free.
+vm_resource_options keeping_free(std::size_t keep, std::size_t growth) {
+  vm_resource_options o = handles_of(32 * MiB, growth);
+  o.keep_free_bytes = keep;
+  return o;
+}
+
 /// A vm_resource over a simulated device of `capacity` bytes, and a view of its layer.
 struct sim_vm {
   explicit sim_vm(std::size_t capacity, vm_resource_options options = handles_of(32 * MiB),
@@ -47,6 +54,31 @@ struct sim_vm {
 
 cudaStream_t fake_stream(std::uintptr_t n) { return reinterpret_cast<cudaStream_t>(n * 0x1000); }
 std::uintptr_t addr(void* p) { return reinterpret_cast<std::uintptr_t>(p); }
+
+/// Eight 32 MiB blocks with every other one freed again: four lone holes that no larger
+/// request fits in. free_survivors frees the other four.
+std::vector<void*> eight_with_holes(vm_resource& vm) {
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) {
+    blocks.push_back(vm.allocate(32 * MiB));
+  }
+  for (std::size_t i = 0; i < blocks.size(); i += 2) {
+    vm.deallocate(blocks[i], 32 * MiB);
+  }
+  return blocks;
+}
+
+void free_survivors(vm_resource& vm, const std::vector<void*>& blocks) {
+  for (std::size_t i = 1; i < blocks.size(); i += 2) {
+    vm.deallocate(blocks[i], 32 * MiB);
+  }
+}
+
+void free_each(vm_resource& vm, const std::vector<void*>& blocks, std::size_t bytes) {
+  for (void* p : blocks) {
+    vm.deallocate(p, bytes);
+  }
+}
 
 }  // namespace
 
@@ -424,13 +456,7 @@ TEST_CASE("vm_resource: growth comes before recycling while the device has room"
   // every shortfall. So while the device has room, what is missing is created; only once it
   // is full are free handles moved.
   sim_vm s{GiB, handles_of(32 * MiB)};
-  std::vector<void*> blocks;
-  for (int i = 0; i < 8; ++i) {
-    blocks.push_back(s.vm.allocate(32 * MiB));
-  }
-  for (int i = 0; i < 8; i += 2) {
-    s.vm.deallocate(blocks[static_cast<std::size_t>(i)], 32 * MiB);
-  }
+  const std::vector<void*> blocks = eight_with_holes(s.vm);
   const auto calls = s.layer.calls;
   void* grown = s.vm.allocate(128 * MiB);  // four lone holes: none holds it
   CHECK(s.layer.calls.create - calls.create == 4);
@@ -455,13 +481,9 @@ TEST_CASE("vm_resource: growth comes before recycling while the device has room"
   CHECK(s.layer.calls.create - full.create == 1);  // one create, refused: the device is full
   CHECK(s.layer.is_accessible(addr(moved), 64 * MiB));
   s.vm.deallocate(moved, 64 * MiB);
-  for (void* p : fill) {
-    s.vm.deallocate(p, 64 * MiB);
-  }
+  free_each(s.vm, fill, 64 * MiB);
   s.vm.deallocate(grown, 128 * MiB);
-  for (int i = 1; i < 8; i += 2) {
-    s.vm.deallocate(blocks[static_cast<std::size_t>(i)], 32 * MiB);
-  }
+  free_survivors(s.vm, blocks);
   CHECK(s.vm.release() == GiB);
   CHECK(s.layer.violations == 0);
 }
@@ -471,16 +493,8 @@ TEST_CASE("vm_resource: keep_free_bytes recycles before growing into the reserve
   // finds no fit recycles free handles although the device has room, and grows into the
   // reserve only for what recycling cannot give: the reserve is for the rest of the process
   // (a library's cudaMalloc), not a limit.
-  vm_resource_options o = handles_of(32 * MiB, 128 * MiB);
-  o.keep_free_bytes = 256 * MiB;
-  sim_vm s{GiB, o};
-  std::vector<void*> small;
-  for (int i = 0; i < 8; ++i) {
-    small.push_back(s.vm.allocate(32 * MiB));
-  }
-  for (int i = 0; i < 8; i += 2) {
-    s.vm.deallocate(small[static_cast<std::size_t>(i)], 32 * MiB);  // four lone 32 MiB holes
-  }
+  sim_vm s{GiB, keeping_free(256 * MiB, 128 * MiB)};
+  const std::vector<void*> small = eight_with_holes(s.vm);
   std::vector<void*> fill;
   for (int i = 0; i < 8; ++i) {
     fill.push_back(s.vm.allocate(64 * MiB));
@@ -510,26 +524,18 @@ TEST_CASE("vm_resource: keep_free_bytes recycles before growing into the reserve
   }
   CHECK(rest.size() == 3);
   CHECK_THROWS_AS(s.vm.allocate(64 * MiB), out_of_memory);
-  for (void* p : rest) {
-    s.vm.deallocate(p, 64 * MiB);
-  }
+  free_each(s.vm, rest, 64 * MiB);
   s.vm.deallocate(both, 128 * MiB);
   s.vm.deallocate(moved, 64 * MiB);
-  for (void* p : fill) {
-    s.vm.deallocate(p, 64 * MiB);
-  }
-  for (int i = 1; i < 8; i += 2) {
-    s.vm.deallocate(small[static_cast<std::size_t>(i)], 32 * MiB);
-  }
+  free_each(s.vm, fill, 64 * MiB);
+  free_survivors(s.vm, small);
   CHECK(s.vm.release() == GiB);
   CHECK(s.layer.violations == 0);
 }
 
 TEST_CASE("vm_resource: keep_free_bytes larger than the device: always recycle first") {
   // Not an error: the smallest footprint, every growth only what recycling cannot give.
-  vm_resource_options o = handles_of(32 * MiB, 256 * MiB);
-  o.keep_free_bytes = 2 * GiB;
-  sim_vm s{GiB, o};
+  sim_vm s{GiB, keeping_free(2 * GiB, 256 * MiB)};
   void* a = s.vm.allocate(32 * MiB);
   CHECK(s.layer.physical_in_use() == 32 * MiB);  // no 256 MiB growth
   void* b = s.vm.allocate(64 * MiB);
