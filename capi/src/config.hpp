@@ -12,9 +12,9 @@
 //   the value, where it came from (the variable's name, or the caller's label) and what would
 //   be accepted. Nothing is applied from a text or an environment that has an error in it.
 // - Keys (see cudamem_c.h): resource, limit_bytes, grow_ahead_bytes, handle_bytes,
-//   keep_free_bytes, simulate_bytes, raise_on_oom. A key that does not apply to the resource chosen
-//   (grow_ahead_bytes for `pool`) is an error, checked once all keys are in (validate()), so
-//   the order of keys and sources does not matter.
+//   keep_free_bytes, simulate_bytes, raise_on_oom. A key that does not apply to the resource
+//   chosen (grow_ahead_bytes for `pool`) is an error, checked once all keys are in
+//   (validate()), so the order of keys and sources does not matter.
 // - Sizes: decimal digits, then optionally a unit K/KiB, M/MiB, G/GiB, T/TiB (powers of
 //   1024; case-insensitive; spaces allowed before the unit). Overflow is an error.
 #pragma once

@@ -108,6 +108,10 @@
 //   resource grows for a request of its own (so it does not take back at once what another
 //   resource needs), as it does at the floor. A vm_resource that cannot grow asks the
 //   others before it fails, with its own lock released.
+// - A reserve for the rest of the process (`keep_free_bytes`, 0 by default): growth for a
+//   request that would leave the device less free than that recycles free handles first and
+//   creates only what they cannot give (into the reserve: it is not a limit); growth ahead
+//   stops there too. vm_stats().kept_free_compactions counts the compactions it chose.
 #pragma once
 
 #include <cudamem/detail/held_ahead.hpp>
