@@ -62,20 +62,15 @@ int main() try {
 
   const std::size_t bytes = copy_floats * sizeof(float);
   // The raw way: cudaMemcpyAsync from pageable memory, which the driver stages by itself.
-  const double driver_h2d = bandwidth(
-      [&] {
-        cudamem::check(cudaMemcpyAsync(device.data(), pageable.data(), bytes,
-                                       cudaMemcpyHostToDevice, s.get()),
-                       "cudaMemcpyAsync");
-      },
-      s);
-  const double driver_d2h = bandwidth(
-      [&] {
-        cudamem::check(cudaMemcpyAsync(pageable.data(), device.data(), bytes,
-                                       cudaMemcpyDeviceToHost, s.get()),
-                       "cudaMemcpyAsync");
-      },
-      s);
+  const auto driver_bandwidth = [&](void* to, const void* from, cudaMemcpyKind kind) {
+    return bandwidth(
+        [&] { cudamem::check(cudaMemcpyAsync(to, from, bytes, kind, s.get()), "cudaMemcpyAsync"); },
+        s);
+  };
+  const double driver_h2d =
+      driver_bandwidth(device.data(), pageable.data(), cudaMemcpyHostToDevice);
+  const double driver_d2h =
+      driver_bandwidth(pageable.data(), device.data(), cudaMemcpyDeviceToHost);
   // cudamem::copy: the same pageable vector, staged by cudamem through reused pinned chunks.
   const double staged_h2d = bandwidth([&] { cudamem::copy(device, pageable, s); }, s);
   const double staged_d2h = bandwidth([&] { cudamem::copy(pageable, device, s); }, s);

@@ -570,15 +570,14 @@ class vm_compactor {
   /// one would (a smaller handle in the middle of a run would change how many handles a
   /// block spans). So the device's last part-handle is left to the driver. A growth creates
   /// at least `growth` bytes while the device gives them and `spare` bytes (growable_bytes)
-  /// allow; once it has said "full", or with `spare` 0, only what is required (usually one
-  /// failing call: the probe).
+  /// allow; make_room passes 0 once the device has said "full" or growth would cut into
+  /// keep_free, and then only what is required is created (once full, usually one failing
+  /// call: the probe).
   std::size_t create_handles(std::size_t required, std::vector<moved_handle>& out,
                              std::string& cause, std::size_t spare) {
     const std::size_t handle = config_.handle;
     const std::size_t growth =
-        handles_.device_full
-            ? 0
-            : std::min(vm_config::round_up(config_.growth, handle), spare / handle * handle);
+        std::min(vm_config::round_up(config_.growth, handle), spare / handle * handle);
     const std::size_t wanted =
         required == 0 ? 0 : std::max(vm_config::round_up(required, handle), growth);
     std::size_t created = 0;
