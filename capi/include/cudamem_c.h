@@ -115,7 +115,20 @@ typedef struct cudamem_stats {
   uint64_t allocated_bytes;    /* total of all allocations */
   uint64_t pending_frees;      /* frees waiting for streams given to record_stream */
   uint64_t limit_bytes;        /* the budget; 0: none */
+  /* Added in 0.2 (callers with an older struct_size do not get these): */
+  uint64_t peak_reserved_bytes; /* the most reserved_bytes has been since the stack was made or
+                                   cudamem_reset_peak_reserved */
+  uint64_t segments;            /* address ranges held from the device (cudamem_segments):
+                                   vm_pool mapped ranges, pool chunks; 0 for async */
+  uint64_t device_allocations;  /* vm_pool: physical handles created (cuMemCreate) */
+  uint64_t device_frees;        /* vm_pool: physical handles given back (cuMemRelease) */
 } cudamem_stats;
+
+/* An address range held from the device: a vm_pool's mapped range, a pool's chunk. */
+typedef struct cudamem_segment {
+  uint64_t address;
+  uint64_t bytes;
+} cudamem_segment;
 
 /* The library's version, "MAJOR.MINOR.PATCH". */
 CUDAMEM_C_API const char* cudamem_version(void);
@@ -160,6 +173,56 @@ CUDAMEM_C_API cudamem_status cudamem_release(int id, int device, uint64_t* relea
 
 /* What `device`'s stack holds (see cudamem_stats). */
 CUDAMEM_C_API cudamem_status cudamem_get_stats(int id, int device, cudamem_stats* out);
+
+/* Starts `device`'s peak_reserved_bytes again from what is reserved now. */
+CUDAMEM_C_API cudamem_status cudamem_reset_peak_reserved(int id, int device);
+
+/* What `device`'s stack holds from the device, by address: up to `capacity` ranges into
+ * `out`; *count gets how many there are (call with out NULL to ask). None before the stack's
+ * first allocation. resource=async cannot tell: CUDAMEM_ERROR_STATE. */
+CUDAMEM_C_API cudamem_status cudamem_segments(int id, int device, cudamem_segment* out,
+                                              size_t capacity, size_t* count);
+
+/* Gives device `peer` read-write access to `device`'s memory in allocator `id`, what it
+ * holds now and what it maps later: what peer access means for virtual memory (PyTorch's copies
+ * between GPUs need it; cudaDeviceEnablePeerAccess covers cudaMalloc'd memory only, and the
+ * caller enables that itself). Before the device's first allocation it is remembered. A device
+ * with no peer path to `device`: CUDAMEM_ERROR_INVALID_ARGUMENT. */
+CUDAMEM_C_API cudamem_status cudamem_add_peer(int id, int device, int peer);
+
+/* --- Memory shared with other processes (Linux), in PyTorch's CUDA IPC form --------------
+ * The exporter keeps the fds open while the memory must stay mappable (PyTorch: while the
+ * tensor lives, which it keeps until every receiver has let go); a receiver takes them with
+ * pidfd_getfd (it needs the exporter alive, and permission to trace it). */
+#define CUDAMEM_IPC_VMM 1         /* physical handles as POSIX file descriptors */
+#define CUDAMEM_IPC_CUDA_MALLOC 2 /* a cudaIpcMemHandle_t of the chunk the memory lies in */
+
+typedef struct cudamem_ipc_export {
+  size_t struct_size;
+  int32_t kind;                      /* CUDAMEM_IPC_VMM or CUDAMEM_IPC_CUDA_MALLOC */
+  uint64_t offset;                   /* from the start of what is shared to p */
+  uint64_t handle_bytes;             /* VMM: each handle's size */
+  unsigned char ipc_mem_handle[64];  /* CUDA_MALLOC: the cudaIpcMemHandle_t */
+} cudamem_ipc_export;
+
+/* The memory under [p, p + bytes) of `device`'s stack in a shareable form. VMM: the handles'
+ * fds into fds[0 .. *fd_count) (the caller closes them; fd_capacity too small:
+ * CUDAMEM_ERROR_INVALID_ARGUMENT and *fd_count says how many are needed). resource=async, or
+ * a device that cannot export: CUDAMEM_ERROR_STATE with the reason. */
+CUDAMEM_C_API cudamem_status cudamem_ipc_export_range(int id, int device, const void* p,
+                                                      size_t bytes, cudamem_ipc_export* out,
+                                                      int* fds, size_t fd_capacity,
+                                                      size_t* fd_count);
+
+/* Maps, on `device`, handles another process exported: `fds` are fd numbers in process `pid`,
+ * each of `handle_bytes`; they are mapped side by side from *base. */
+CUDAMEM_C_API cudamem_status cudamem_ipc_import(int device, int32_t pid, const int* fds,
+                                                size_t count, uint64_t handle_bytes,
+                                                void** base);
+/* Gives `peer` access to an imported range too. */
+CUDAMEM_C_API cudamem_status cudamem_ipc_add_peer(void* base, int peer);
+/* Unmaps an imported range, after waiting for the devices that could use it. */
+CUDAMEM_C_API cudamem_status cudamem_ipc_unmap(void* base);
 
 /* cudamem's memory report for `device`'s stack as text (a request of `bytes`, 0 for none):
  * who holds the device, what each resource holds, a verdict. As cudamem_allocator_describe. */

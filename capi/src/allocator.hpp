@@ -18,6 +18,8 @@
 //   record_stream, tries once more, then throws the out_of_memory (and keeps its text for
 //   last_oom_report()).
 // - deallocate of a device that never allocated is a bad free: reported, nothing happens.
+// - segments(device): what the stack holds from the device, by address — the vm_pool's mapped
+//   ranges or the pool's chunks; an async stack cannot tell (state_error).
 #pragma once
 
 #include "config.hpp"
@@ -28,6 +30,7 @@
 #include <cudamem/error.hpp>
 #include <cudamem/out_of_memory.hpp>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstddef>
@@ -36,6 +39,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace cudamem::capi {
 
@@ -175,6 +179,51 @@ class allocator {
     return s;
   }
 
+  /// What `device`'s stack holds from the device, by address (none before its first use).
+  [[nodiscard]] std::vector<address_range> segments(int device) {
+    per_device* d = existing(device);
+    if (d == nullptr) {
+      check_device(device, config().simulate_bytes.has_value());
+      return {};
+    }
+    std::optional<std::vector<address_range>> held = d->stack.segments();
+    if (!held) {
+      throw state_error("cudamem: resource=async cannot list the memory it holds (a "
+                        "cudaMallocAsync pool does not tell); use vm_pool or pool");
+    }
+    return std::move(*held);
+  }
+
+  /// Gives `peer` access to `device`'s memory, now and later (see device_stack::add_peer).
+  void add_peer(int device, int peer) {
+    const bool simulated = config().simulate_bytes.has_value();
+    check_device(device, simulated);
+    check_device(peer, simulated);
+    const std::lock_guard lock(mutex_);  // against the stack's creation with the peer list
+    auto& list = peers_[static_cast<std::size_t>(device)];
+    if (std::find(list.begin(), list.end(), peer) == list.end() && peer != device) {
+      if (per_device* d = existing(device)) {
+        d->stack.add_peer(peer);
+      }
+      list.push_back(peer);
+    }
+  }
+
+  /// `device`'s stack, or nullptr before its first allocation.
+  [[nodiscard]] const device_stack* stack_of(int device) noexcept {
+    per_device* d = existing(device);
+    return d != nullptr ? &d->stack : nullptr;
+  }
+
+  /// Starts `device`'s peak of reserved bytes again from now (nothing before its first use).
+  void reset_peak_reserved(int device) {
+    if (per_device* d = existing(device)) {
+      d->stack.reset_peak_reserved();
+    } else {
+      check_device(device, config().simulate_bytes.has_value());
+    }
+  }
+
   [[nodiscard]] std::string report(int device, std::size_t bytes) {
     return on(device).stack.report(bytes);
   }
@@ -196,8 +245,8 @@ class allocator {
 
  private:
   struct per_device {
-    per_device(const allocator_config& c, int device)
-        : stack(c, device), frees(device, c.simulate_bytes.has_value()) {}
+    per_device(const allocator_config& c, int device, const std::vector<int>& peers)
+        : stack(c, device, peers), frees(device, c.simulate_bytes.has_value()) {}
     device_stack stack;
     deferred_frees<cuda_events> frees;
   };
@@ -237,7 +286,7 @@ class allocator {
     if (per_device* d = slot.load(std::memory_order_acquire)) {
       return *d;
     }
-    auto made = std::make_unique<per_device>(config_, device);
+    auto made = std::make_unique<per_device>(config_, device, peers_[static_cast<std::size_t>(device)]);
     started_.store(true);
     slot.store(made.get(), std::memory_order_release);
     return *made.release();
@@ -270,6 +319,7 @@ class allocator {
   allocator_config config_;
   std::atomic<bool> started_{false};
   std::array<std::atomic<per_device*>, max_devices> devices_{};
+  std::array<std::vector<int>, max_devices> peers_{};  ///< add_peer's, by device (mutex_)
   stream_uses uses_;  ///< record_stream's extra streams, for every device
   mutable std::mutex report_mutex_;
   std::string last_oom_report_;

@@ -8,6 +8,7 @@
 // must raise where the tensor is made, not hand PyTorch a null pointer (it would build a
 // tensor with no memory and fail later, elsewhere).
 #include "allocator.hpp"
+#include "ipc.hpp"
 
 #include <cudamem/error.hpp>
 #include <cudamem/out_of_memory.hpp>
@@ -26,6 +27,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -108,6 +110,20 @@ void copy_out(const std::string& text, char* buf, std::size_t size, std::size_t*
     const std::size_t n = std::min(text.size(), size - 1);
     std::memcpy(buf, text.data(), n);
     buf[n] = '\0';
+  }
+}
+
+/// Copies ranges into a caller's array, C style; *count gets how many there are.
+void copy_ranges(const std::vector<cudamem::capi::address_range>& ranges, cudamem_segment* out,
+                 std::size_t capacity, std::size_t* count) {
+  if (count == nullptr) {
+    throw std::invalid_argument("cudamem: count is NULL");
+  }
+  *count = ranges.size();
+  if (out != nullptr) {
+    for (std::size_t i = 0; i < std::min(capacity, ranges.size()); ++i) {
+      out[i] = cudamem_segment{ranges[i].address, ranges[i].bytes};
+    }
   }
 }
 
@@ -359,6 +375,75 @@ CUDAMEM_C_API cudamem_status cudamem_get_stats(int id, int device, cudamem_stats
     s.struct_size = std::min(caller_size, sizeof(cudamem_stats));
     std::memcpy(out, &s, s.struct_size);  // a caller built against an older header gets less
   });
+}
+
+CUDAMEM_C_API cudamem_status cudamem_reset_peak_reserved(int id, int device) {
+  return guarded([&] { allocator_at(id).reset_peak_reserved(device); });
+}
+
+CUDAMEM_C_API cudamem_status cudamem_segments(int id, int device, cudamem_segment* out,
+                                              size_t capacity, size_t* count) {
+  return guarded([&] { copy_ranges(allocator_at(id).segments(device), out, capacity, count); });
+}
+
+CUDAMEM_C_API cudamem_status cudamem_add_peer(int id, int device, int peer) {
+  return guarded([&] { allocator_at(id).add_peer(device, peer); });
+}
+
+CUDAMEM_C_API cudamem_status cudamem_ipc_export_range(int id, int device, const void* p,
+                                                      size_t bytes, cudamem_ipc_export* out,
+                                                      int* fds, size_t fd_capacity,
+                                                      size_t* fd_count) {
+  return guarded([&] {
+    if (out == nullptr || out->struct_size < sizeof(cudamem_ipc_export) || fd_count == nullptr) {
+      throw std::invalid_argument(
+          "cudamem_ipc_export_range: out (with struct_size set) and fd_count are needed");
+    }
+    allocator& a = allocator_at(id);
+    const cudamem::capi::device_stack* stack = a.stack_of(device);
+    if (stack == nullptr) {
+      throw std::invalid_argument("cudamem: device " + std::to_string(device) +
+                                  " has no memory of this allocator to share");
+    }
+    std::vector<cudamem::unique_fd> made;
+    const cudamem::capi::ipc_export e =
+        cudamem::capi::export_range<cudamem::capi::state_error>(*stack, p, bytes, made);
+    *fd_count = made.size();
+    if (made.size() > fd_capacity || (fds == nullptr && !made.empty())) {
+      throw std::invalid_argument("cudamem_ipc_export_range: room for " +
+                                  std::to_string(fd_capacity) + " descriptors, " +
+                                  std::to_string(made.size()) + " needed");
+    }
+    out->kind = e.vmm ? CUDAMEM_IPC_VMM : CUDAMEM_IPC_CUDA_MALLOC;
+    out->offset = e.offset;
+    out->handle_bytes = e.handle_bytes;
+    static_assert(sizeof(out->ipc_mem_handle) == sizeof(e.memory_handle));
+    std::memcpy(out->ipc_mem_handle, &e.memory_handle, sizeof(e.memory_handle));
+    for (std::size_t i = 0; i < made.size(); ++i) {
+      fds[i] = made[i].release();
+    }
+  });
+}
+
+CUDAMEM_C_API cudamem_status cudamem_ipc_import(int device, int32_t pid, const int* fds,
+                                                size_t count, uint64_t handle_bytes,
+                                                void** base) {
+  return guarded([&] {
+    if (base == nullptr || (fds == nullptr && count != 0)) {
+      throw std::invalid_argument("cudamem_ipc_import: base and fds are needed");
+    }
+    *base = nullptr;
+    *base = cudamem::capi::imported_ranges::instance().import(
+        device, pid, std::vector<int>(fds, fds + count), static_cast<std::size_t>(handle_bytes));
+  });
+}
+
+CUDAMEM_C_API cudamem_status cudamem_ipc_add_peer(void* base, int peer) {
+  return guarded([&] { cudamem::capi::imported_ranges::instance().add_peer(base, peer); });
+}
+
+CUDAMEM_C_API cudamem_status cudamem_ipc_unmap(void* base) {
+  return guarded([&] { cudamem::capi::imported_ranges::instance().unmap(base); });
 }
 
 CUDAMEM_C_API cudamem_status cudamem_report(int id, int device, uint64_t bytes, char* buf,

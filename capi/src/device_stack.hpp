@@ -37,12 +37,22 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace cudamem::capi {
 
+/// An address range held from the device: a vm_pool's mapped range, a pool's chunk.
+struct address_range {
+  std::uintptr_t address = 0;
+  std::size_t bytes = 0;
+};
+
 class device_stack {
  public:
-  device_stack(const allocator_config& config, int device) : device_(device) {
+  /// `peers`: devices given access to the memory from the start (cudamem_add_peer before it).
+  device_stack(const allocator_config& config, int device, const std::vector<int>& peers = {})
+      : device_(device) {
     switch (config.resource) {
       case resource_choice::vm_pool: {
         vm_pool_options o;
@@ -57,9 +67,8 @@ class device_stack {
           vm_pool_ = vm.get();
           resource_ = std::move(vm);
         } else {
-          auto vm = std::make_unique<vm_pool_resource>(device, o);
-          vm_pool_ = vm.get();
-          resource_ = std::move(vm);
+          o.peers = peers;
+          vm_pool_ = make_real_vm_pool(device, o);
         }
         break;
       }
@@ -84,6 +93,11 @@ class device_stack {
         async_ = async.get();
         resource_ = std::move(async);
         break;
+      }
+    }
+    for (const int peer : peers) {
+      if (vm_pool_ == nullptr) {
+        add_peer(peer);
       }
     }
     memory_resource* below = resource_.get();
@@ -131,15 +145,82 @@ class device_stack {
     s.reserved_bytes = r.reserved_bytes;
     s.largest_free_block =
         r.largest_free_block ? *r.largest_free_block : std::numeric_limits<std::uint64_t>::max();
+    if (pool_ != nullptr) {
+      s.peak_reserved_bytes = pool_->peak_reserved_bytes();
+      s.segments = pool_->chunk_count();
+    }
+    if (async_ != nullptr) {
+      s.peak_reserved_bytes = async_->pool_usage().reserved_high;
+    }
     if (vm_pool_ != nullptr) {
       const vm_pool_stats v = vm_pool_->vm_stats();
       s.reserved_bytes = v.mapped_bytes;  // physical memory held, free or not
+      s.peak_reserved_bytes = v.peak_mapped_bytes;
+      s.segments = vm_pool_->held_ranges().size();
+      s.device_allocations = v.handles_created;
+      s.device_frees = v.handles_created - v.handles;  // every handle made and not held now
       s.largest_free_block = std::max<std::uint64_t>(v.largest_free_range,
                                                      v.pool_largest_free_block);
       s.held_ahead_bytes = v.held_ahead_bytes;  // whole handles free at the frontier
     }
     s.limit_bytes = limit_ ? limit_->budget() : 0;
     return s;
+  }
+
+  /// What it holds from the device, by address: the vm_pool's mapped ranges, the pool's
+  /// chunks; nullopt for async (a cudaMallocAsync pool does not tell).
+  [[nodiscard]] std::optional<std::vector<address_range>> segments() const {
+    std::vector<std::pair<std::uintptr_t, std::size_t>> ranges;
+    if (vm_pool_ != nullptr) {
+      ranges = vm_pool_->held_ranges();
+    } else if (pool_ != nullptr) {
+      ranges = pool_->chunk_ranges();
+    } else {
+      return std::nullopt;
+    }
+    std::vector<address_range> out;
+    out.reserve(ranges.size());
+    for (const auto& [address, bytes] : ranges) {
+      out.push_back({address, bytes});
+    }
+    return out;
+  }
+
+  /// Gives `peer` access to the memory, now and later. A vm_pool grants it on its mappings;
+  /// an async pool with cudaMemPoolSetAccess; a pool's cudaMalloc'd chunks are the peer's once
+  /// the caller has enabled peer access (cudaDeviceEnablePeerAccess).
+  void add_peer(int peer) {
+    if (vm_pool_ != nullptr) {
+      vm_pool_->add_peer(peer);
+    } else if (async_ != nullptr && peer != device_) {
+      cudaMemAccessDesc desc{};
+      desc.location.type = cudaMemLocationTypeDevice;
+      desc.location.id = peer;
+      desc.flags = cudaMemAccessFlagsProtReadWrite;
+      check(cudaMemPoolSetAccess(async_->pool_handle(), &desc, 1), "cudaMemPoolSetAccess");
+    }
+  }
+
+  /// The physical memory under [p, p + bytes) in a form another process can map
+  /// (capi/src/ipc.hpp): the vm_pool's handles, or the cudaMalloc'd chunk p lies in.
+  [[nodiscard]] vm_pool_resource* vm_pool() const noexcept {
+    return vm_pool_ != nullptr && !vm_pool_->uses_plain_memory() ? vm_pool_ : nullptr;
+  }
+  [[nodiscard]] bool is_async() const noexcept { return async_ != nullptr; }
+
+  /// Starts the peak of reserved_bytes again from now.
+  void reset_peak_reserved() {
+    if (vm_pool_ != nullptr) {
+      vm_pool_->upstream_vm().reset_peak_mapped();
+    } else if (pool_ != nullptr) {
+      pool_->reset_peak_reserved();
+    } else {
+      const device_guard on{device_};
+      cudaMemPool_t handle = async_->pool_handle();
+      std::uint64_t zero = 0;
+      check(cudaMemPoolSetAttribute(handle, cudaMemPoolAttrReservedMemHigh, &zero),
+            "cudaMemPoolSetAttribute(ReservedMemHigh)");
+    }
   }
 
   /// What the resource itself counts as handed out (exact even after a refused free).
@@ -151,6 +232,25 @@ class device_stack {
   }
 
  private:
+  /// A vm_pool on a real device whose handles other processes can map (cudamem.torch sends
+  /// tensors to them), where the device can export POSIX file descriptors; else a plain one.
+  vm_pool_resource* make_real_vm_pool(int device, vm_pool_options o) {
+    o.exportable = true;
+    std::unique_ptr<vm_pool_resource> vm;
+    try {
+      vm = std::make_unique<vm_pool_resource>(device, o);
+    } catch (const cuda_error& e) {
+      if (e.code() != cudaErrorNotSupported) {
+        throw;
+      }
+      o.exportable = false;
+      vm = std::make_unique<vm_pool_resource>(device, o);
+    }
+    vm_pool_resource* raw = vm.get();
+    resource_ = std::move(vm);
+    return raw;
+  }
+
   int device_;
   std::unique_ptr<memory_resource> upstream_;  ///< pool's upstream (device or simulated)
   std::unique_ptr<memory_resource> resource_;

@@ -367,3 +367,84 @@ TEST_CASE("c api: version") {
   CHECK(std::string(cudamem_version()) == "0.1.0");
   CHECK(std::string(cudamem_last_error()).empty());  // the last call succeeded
 }
+
+namespace {
+std::vector<cudamem_segment> segments_of(int id, int device = 0) {
+  std::size_t count = 0;
+  REQUIRE(cudamem_segments(id, device, nullptr, 0, &count) == CUDAMEM_OK);
+  std::vector<cudamem_segment> out(count);
+  std::size_t again = 0;
+  REQUIRE(cudamem_segments(id, device, out.data(), out.size(), &again) == CUDAMEM_OK);
+  REQUIRE(again == count);
+  return out;
+}
+
+bool inside(const std::vector<cudamem_segment>& segments, const void* p, std::size_t bytes) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  for (const cudamem_segment& s : segments) {
+    if (a >= s.address && a + bytes <= s.address + s.bytes) {
+      return true;
+    }
+  }
+  return false;
+}
+}  // namespace
+
+TEST_CASE("c api: segments are what the stack holds, by address, and add up to reserved") {
+  for (const char* config : {"simulate_bytes=8GiB, grow_ahead_bytes=0",
+                             "resource=pool, simulate_bytes=8GiB"}) {
+    INFO(config);
+    const int id = make(config);
+    destroyer d{id};
+    CHECK(segments_of(id).empty());  // nothing before the first allocation
+    void* small = nullptr;
+    void* big = nullptr;
+    REQUIRE(cudamem_allocate(id, MiB, 0, nullptr, &small) == CUDAMEM_OK);
+    REQUIRE(cudamem_allocate(id, 300 * MiB, 0, nullptr, &big) == CUDAMEM_OK);
+    const std::vector<cudamem_segment> held = segments_of(id);
+    const cudamem_stats s = stats_of(id);
+    std::uint64_t total = 0;
+    for (std::size_t i = 0; i < held.size(); ++i) {
+      total += held[i].bytes;
+      if (i > 0) {
+        CHECK(held[i - 1].address + held[i - 1].bytes <= held[i].address);  // sorted, disjoint
+      }
+    }
+    CHECK(total == s.reserved_bytes);
+    CHECK(s.segments == held.size());
+    CHECK(inside(held, small, MiB));
+    CHECK(inside(held, big, 300 * MiB));
+    // A short array gets what fits, and the count of all.
+    std::size_t count = 0;
+    cudamem_segment one{};
+    REQUIRE(cudamem_segments(id, 0, &one, 1, &count) == CUDAMEM_OK);
+    CHECK(count == held.size());
+    CHECK(one.address == held[0].address);
+    CHECK(cudamem_segments(id, 0, nullptr, 0, nullptr) == CUDAMEM_ERROR_INVALID_ARGUMENT);
+    CHECK(cudamem_segments(id, 99, nullptr, 0, &count) == CUDAMEM_ERROR_INVALID_ARGUMENT);
+    REQUIRE(cudamem_deallocate(id, small, MiB, 0, nullptr) == CUDAMEM_OK);
+    REQUIRE(cudamem_deallocate(id, big, 300 * MiB, 0, nullptr) == CUDAMEM_OK);
+  }
+}
+
+TEST_CASE("c api: the peak of reserved memory, and its reset") {
+  const int id = make("simulate_bytes=8GiB, grow_ahead_bytes=0");
+  destroyer d{id};
+  void* big = nullptr;
+  REQUIRE(cudamem_allocate(id, GiB, 0, nullptr, &big) == CUDAMEM_OK);
+  const cudamem_stats at_peak = stats_of(id);
+  CHECK(at_peak.peak_reserved_bytes == at_peak.reserved_bytes);
+  CHECK(at_peak.reserved_bytes >= GiB);
+  CHECK(at_peak.device_allocations == GiB / (4 * MiB));  // 4 MiB handles
+  CHECK(at_peak.device_frees == 0);
+  REQUIRE(cudamem_deallocate(id, big, GiB, 0, nullptr) == CUDAMEM_OK);
+  REQUIRE(cudamem_release(id, 0, nullptr) == CUDAMEM_OK);
+  const cudamem_stats after = stats_of(id);
+  CHECK(after.reserved_bytes == 0);
+  CHECK(after.peak_reserved_bytes == at_peak.peak_reserved_bytes);  // a peak outlives the memory
+  CHECK(after.device_frees == at_peak.device_allocations);
+  REQUIRE(cudamem_reset_peak_reserved(id, 0) == CUDAMEM_OK);
+  CHECK(stats_of(id).peak_reserved_bytes == 0);
+  CHECK(cudamem_reset_peak_reserved(id, 99) == CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(cudamem_reset_peak_reserved(id, 1) == CUDAMEM_OK);  // a device not used yet: nothing
+}

@@ -98,6 +98,7 @@
 #include <mutex>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace cudamem {
@@ -185,6 +186,13 @@ class pool_resource final : public memory_resource, private detail::stream_liste
   [[nodiscard]] std::size_t shard_count() const noexcept { return shards_.size(); }
   /// Number of chunks held from the upstream.
   [[nodiscard]] std::size_t chunk_count() const { return chunks_.count(); }
+  /// The most held from the upstream since construction or reset_peak_reserved().
+  [[nodiscard]] std::size_t peak_reserved_bytes() { return chunks_.peak_reserved(); }
+  void reset_peak_reserved() { chunks_.reset_peak_reserved(); }
+  /// The chunks held from the upstream, as (base, size) by address (a snapshot's segments).
+  [[nodiscard]] std::vector<std::pair<std::uintptr_t, std::size_t>> chunk_ranges() const {
+    return chunks_.ranges();
+  }
 
  private:
   using shard = detail::pool_shard;

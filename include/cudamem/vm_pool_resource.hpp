@@ -225,6 +225,31 @@ class vm_pool_resource final : public memory_resource {
     return s;
   }
 
+  /// What it holds from the device now, by address, as (start, bytes): the mapped ranges of
+  /// virtual memory; under compute-sanitizer (uses_plain_memory()), the cudaMalloc'd chunks
+  /// and large blocks. (A memory snapshot's segments.)
+  [[nodiscard]] std::vector<std::pair<std::uintptr_t, std::size_t>> held_ranges() const {
+    if (plain_ == nullptr) {
+      return vm_.mapped_ranges();
+    }
+    std::vector<std::pair<std::uintptr_t, std::size_t>> out = pool_.chunk_ranges();
+    {
+      const std::lock_guard lock(large_mutex_);
+      out.insert(out.end(), large_blocks_.begin(), large_blocks_.end());
+    }
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+
+  /// Gives `device` read-write access to all it holds, now and later (vm_resource::add_peer);
+  /// under compute-sanitizer, cudaMalloc'd memory is the peer's once cudaDeviceEnablePeerAccess
+  /// has run, and nothing is done here.
+  void add_peer(int device) {
+    if (plain_ == nullptr) {
+      vm_.add_peer(device);
+    }
+  }
+
   [[nodiscard]] pool_resource& pool() noexcept { return pool_; }
   [[nodiscard]] vm_resource& upstream_vm() noexcept { return vm_; }
   /// What options.upstream_adaptor made, or nullptr when it was empty.

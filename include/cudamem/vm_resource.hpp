@@ -254,6 +254,8 @@ struct vm_resource_stats {
   std::size_t handle_bytes = 0;            ///< size of a physical handle
   std::size_t reserved_virtual_bytes = 0;  ///< address space reserved
   std::size_t mapped_bytes = 0;            ///< physical memory held
+  std::size_t peak_mapped_bytes = 0;       ///< the most held since construction or
+                                           ///< reset_peak_mapped()
   std::size_t used_bytes = 0;              ///< in ranges handed out (granule multiples)
   std::size_t requested_bytes = 0;         ///< what the callers of those ranges asked for
   std::size_t partial_granule_bytes = 0;   ///< used - requested: waste from partly used
@@ -374,6 +376,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
     s.handle_bytes = config_.handle;
     s.reserved_virtual_bytes = space_.reserved_bytes();
     s.mapped_bytes = handles_.mapped_bytes;
+    s.peak_mapped_bytes = handles_.mapped_bytes.peak();
     s.used_bytes = used_bytes_;
     s.requested_bytes = requested_bytes_;
     s.partial_granule_bytes = used_bytes_ - requested_bytes_;
@@ -396,6 +399,18 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
     s.kept_free_compactions = calls.kept_free_compactions;
     s.growth_ahead_held_back = compactor_.ahead_held_back();
     return s;
+  }
+
+  /// Starts vm_stats().peak_mapped_bytes again from what is mapped now.
+  void reset_peak_mapped() {
+    const std::lock_guard lock(mutex_);
+    handles_.mapped_bytes.reset_peak();
+  }
+
+  /// The physical memory mapped now, as ranges of adjacent handles by address: (start, bytes).
+  [[nodiscard]] std::vector<std::pair<std::uintptr_t, std::size_t>> mapped_ranges() const {
+    const std::lock_guard lock(mutex_);
+    return handles_.ranges();
   }
 
   [[nodiscard]] std::size_t granularity() const noexcept { return config_.granule; }
@@ -426,6 +441,53 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
     out.requested = live->second.requested;
     out.offset = handles_.handles_under(address, out.bytes, out.handles);
     return out;
+  }
+
+  /// The handles under [p, p + bytes), any part of memory it has mapped and handed out (a
+  /// block, or a pool's block inside a chunk), for export; `offset` is from the first handle's
+  /// start to p. Throws std::invalid_argument unless the resource is exportable and the range
+  /// lies in mapped memory.
+  [[nodiscard]] vm_block_handles handles_covering(const void* p, std::size_t bytes) const {
+    const std::lock_guard lock(mutex_);
+    if (!options_.exportable) {
+      throw std::invalid_argument(
+          "cudamem::vm_resource::handles_covering: the resource was not made exportable "
+          "(vm_resource_options::exportable)");
+    }
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
+    const std::vector<std::pair<std::uintptr_t, std::size_t>> ranges = handles_.ranges();
+    const bool mapped = std::any_of(ranges.begin(), ranges.end(), [&](const auto& r) {
+      return address >= r.first && address + bytes <= r.first + r.second;
+    });
+    if (!mapped || bytes == 0) {
+      throw std::invalid_argument(
+          "cudamem::vm_resource::handles_covering: the range is not in memory this resource "
+          "has mapped");
+    }
+    vm_block_handles out;
+    out.address = address;
+    out.bytes = bytes;
+    out.requested = bytes;
+    out.offset = handles_.handles_under(address, bytes, out.handles);
+    return out;
+  }
+
+  /// Gives `device` read-write access to all it maps, now and later: what peer access is for
+  /// virtual memory (cudaDeviceEnablePeerAccess covers only cudaMalloc'd memory). Throws
+  /// std::invalid_argument for a device with no peer path; its own device or a peer already
+  /// there changes nothing.
+  void add_peer(int device) {
+    layer_->add_peer(device);  // growth from now on maps with the peer's access
+    std::unique_lock lock(mutex_);
+    if (ahead_) {
+      ahead_->wait_idle(lock);  // a batch mapped before the peer was added is adopted by now
+    }
+    if (device == layer_->device()) {
+      return;
+    }
+    for (const auto& [address, bytes] : handles_.ranges()) {
+      layer_->set_peer_access(address, bytes, device);
+    }
   }
 
   /// The mapping layer (tests inspect the simulated one).

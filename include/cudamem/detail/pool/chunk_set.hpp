@@ -27,6 +27,7 @@
 // Upstream calls are serialised by one mutex, so the upstream need not be thread-safe.
 #pragma once
 
+#include <cudamem/detail/held_bytes.hpp>
 #include <cudamem/detail/nvtx.hpp>
 #include <cudamem/detail/pool/pool_shard.hpp>
 #include <cudamem/error.hpp>
@@ -44,6 +45,7 @@
 #include <shared_mutex>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace cudamem::detail {
@@ -73,6 +75,27 @@ class chunk_set {
   [[nodiscard]] std::size_t count() const {
     const std::shared_lock lock(directory_mutex_);
     return directory_.size();
+  }
+
+  /// The most held from the upstream since construction or reset_peak_reserved().
+  [[nodiscard]] std::size_t peak_reserved() {
+    const std::lock_guard lock(upstream_mutex_);
+    return reserved_.peak();
+  }
+  void reset_peak_reserved() {
+    const std::lock_guard lock(upstream_mutex_);
+    reserved_.reset_peak();
+  }
+
+  /// Every chunk held, as (base, size), by address.
+  [[nodiscard]] std::vector<std::pair<std::uintptr_t, std::size_t>> ranges() const {
+    const std::shared_lock lock(directory_mutex_);
+    std::vector<std::pair<std::uintptr_t, std::size_t>> out;
+    out.reserve(directory_.size());
+    for (const auto& [base, e] : directory_) {
+      out.emplace_back(base, e.size);
+    }
+    return out;
   }
 
   /// The shard whose chunk holds `address`, or nullptr when no chunk does.
@@ -284,7 +307,7 @@ class chunk_set {
   memory_resource* upstream_;
   const pool_policy* policy_;
   std::mutex upstream_mutex_;
-  std::size_t reserved_ = 0;  ///< held from the upstream (guarded by upstream_mutex_)
+  held_bytes reserved_;  ///< held from the upstream, and its peak (guarded by upstream_mutex_)
   mutable std::shared_mutex directory_mutex_;
   std::map<std::uintptr_t, entry> directory_;  ///< chunk base -> size and shard
 };

@@ -34,8 +34,10 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -92,18 +94,11 @@ class driver_vm_mapping final : public vm_mapping_layer {
       throw vm_not_supported_error(device, where);
     }
     for (const int peer : peers_) {
-      validate_device(peer, where);
       if (peer == device) {
         throw std::invalid_argument("cudamem::vm_resource: device " +
                                     std::to_string(peer) + " is the pool's own device, not a peer");
       }
-      int can_access = 0;
-      check(cudaDeviceCanAccessPeer(&can_access, peer, device), "cudaDeviceCanAccessPeer");
-      if (can_access == 0) {
-        throw std::invalid_argument("cudamem::vm_resource: device " + std::to_string(peer) +
-                                    " cannot access device " + std::to_string(device) +
-                                    " (no peer access between them)");
-      }
+      check_peer(peer, where);
     }
     properties_.type = CU_MEM_ALLOCATION_TYPE_PINNED;
     properties_.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
@@ -193,9 +188,28 @@ class driver_vm_mapping final : public vm_mapping_layer {
   }
 
   void set_access(std::uintptr_t va, std::size_t bytes) override {
+    const std::lock_guard lock(access_mutex_);  // add_peer may grow the list meanwhile
     check_driver(driver().mem_set_access(static_cast<CUdeviceptr>(va), bytes, access_.data(),
                                          access_.size()),
                  "cuMemSetAccess");
+  }
+
+  void add_peer(int peer) override {
+    const std::lock_guard lock(access_mutex_);
+    if (peer == device_ || std::find(peers_.begin(), peers_.end(), peer) != peers_.end()) {
+      return;
+    }
+    check_peer(peer, std::source_location::current());
+    access_.reserve(access_.size() + 1);
+    peers_.reserve(peers_.size() + 1);
+    access_.push_back(read_write_on(peer));
+    peers_.push_back(peer);
+  }
+
+  void set_peer_access(std::uintptr_t va, std::size_t bytes, int peer) override {
+    const CUmemAccessDesc desc = read_write_on(peer);
+    check_driver(driver().mem_set_access(static_cast<CUdeviceptr>(va), bytes, &desc, 1),
+                 "cuMemSetAccess (peer " + std::to_string(peer) + ")");
   }
 
   void record_free(cudaStream_t stream, std::uintptr_t /*va*/, std::size_t /*bytes*/) override {
@@ -225,6 +239,18 @@ class driver_vm_mapping final : public vm_mapping_layer {
   }
 
  private:
+  /// Throws unless `peer` is a device with a path to this one.
+  void check_peer(int peer, const std::source_location& where) const {
+    validate_device(peer, where);
+    int can_access = 0;
+    check(cudaDeviceCanAccessPeer(&can_access, peer, device_), "cudaDeviceCanAccessPeer");
+    if (can_access == 0) {
+      throw std::invalid_argument("cudamem::vm_resource: device " + std::to_string(peer) +
+                                  " cannot access device " + std::to_string(device_) +
+                                  " (no peer access between them)");
+    }
+  }
+
   static bool is_default_stream(cudaStream_t s) noexcept {
     return s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread;
   }
@@ -258,6 +284,7 @@ class driver_vm_mapping final : public vm_mapping_layer {
   CUmemAllocationProp properties_{};
   std::size_t granularity_ = 0;
   std::size_t device_total_ = 0;
+  std::mutex access_mutex_;               ///< guards peers_ and access_ once constructed
   std::vector<CUmemAccessDesc> access_;
   std::vector<std::pair<cudaStream_t, cudaEvent_t>> events_;
 };

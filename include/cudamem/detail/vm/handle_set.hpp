@@ -22,6 +22,7 @@
 // Not thread-safe: vm_resource's mutex guards it.
 #pragma once
 
+#include <cudamem/detail/held_bytes.hpp>
 #include <cudamem/detail/vm/mapping.hpp>
 
 #include <algorithm>
@@ -125,6 +126,19 @@ class handle_set {
     return offset;
   }
 
+  /// The mapped memory as ranges of adjacent handles, by address: (start, bytes).
+  [[nodiscard]] std::vector<std::pair<std::uintptr_t, std::size_t>> ranges() const {
+    std::vector<std::pair<std::uintptr_t, std::size_t>> out;
+    for (const auto& [address, h] : by_address_) {
+      if (!out.empty() && out.back().first + out.back().second == address) {
+        out.back().second += h.bytes;
+      } else {
+        out.emplace_back(address, h.bytes);
+      }
+    }
+    return out;
+  }
+
   /// Whether a handle or a stale alias is mapped in [base, base + bytes).
   [[nodiscard]] bool any_mapped_in(std::uintptr_t base, std::size_t bytes) const {
     const auto h = by_address_.lower_bound(base);
@@ -137,7 +151,7 @@ class handle_set {
   }
 
   std::vector<vm_alias> stale;                   ///< retired aliases to unmap later
-  std::size_t mapped_bytes = 0;                  ///< physical memory held
+  held_bytes mapped_bytes;                       ///< physical memory held, and its peak
   bool device_full = false;                      ///< the last create found the device full
 
  private:

@@ -27,6 +27,11 @@
 // - `set_access(va, bytes)` makes a range of fresh mappings readable and writable by the
 //   layer's device and its peers. A range may cover several adjacent mappings: vm_resource
 //   calls it once per batch, because it is the expensive call.
+// - `add_peer(d)` gives device d read-write access to what set_access covers from now on, and
+//   `set_peer_access(va, bytes, d)` to a range mapped before (vm_resource::add_peer). The
+//   driver refuses a device with no peer path (std::invalid_argument); a peer already there
+//   (or the layer's own device) is not added twice. The simulated layer has no other devices:
+//   it records the peers, and checks that each range given to one is wholly mapped.
 // - Ordering: `record_free(s, va, bytes)` notes that the last use of [va, va + bytes) was
 //   submitted to `s` (the driver records an event on `s`; the simulated layer marks the
 //   handles behind the range "in flight" until the host has waited for `s`, and counts an
@@ -101,6 +106,9 @@ class vm_mapping_layer {
   virtual void map(std::uintptr_t va, std::size_t bytes, vm_handle handle) = 0;
   virtual void unmap(std::uintptr_t va, std::size_t bytes) noexcept = 0;
   virtual void set_access(std::uintptr_t va, std::size_t bytes) = 0;
+  /// Whether `device` can be given access (own device, known peer or peer path): it is added.
+  virtual void add_peer(int device) = 0;
+  virtual void set_peer_access(std::uintptr_t va, std::size_t bytes, int device) = 0;
 
   virtual void record_free(cudaStream_t stream, std::uintptr_t va, std::size_t bytes) = 0;
   virtual void order_after_free(cudaStream_t user, cudaStream_t freed_on) = 0;
@@ -171,6 +179,8 @@ class simulated_vm_mapping final : public vm_mapping_layer {
   call_counts calls;  ///< read them when no growth thread is calling (wait_for_growth)
   std::size_t violations = 0;  ///< illegal noexcept calls (unmap of no mapping, double release)
   std::size_t unmaps_in_flight = 0;  ///< unmaps of a handle freed on a stream not yet waited for
+  std::vector<int> peers;                 ///< devices given access (add_peer)
+  std::size_t peer_access_mappings = 0;   ///< mappings set_peer_access covered
 
   /// Physical bytes created and not yet given back (released and unmapped everywhere).
   [[nodiscard]] std::size_t physical_in_use() const {
@@ -383,6 +393,29 @@ class simulated_vm_mapping final : public vm_mapping_layer {
       require(at == end, "set_access: range ends inside a mapping");
     }
     pretend_to_work(options_.access_us * covered);
+  }
+
+  void add_peer(int device) override {
+    const std::lock_guard lock(mutex_);
+    if (std::find(peers.begin(), peers.end(), device) == peers.end()) {
+      peers.push_back(device);
+    }
+  }
+
+  void set_peer_access(std::uintptr_t va, std::size_t bytes, int device) override {
+    const std::lock_guard lock(mutex_);
+    require(std::find(peers.begin(), peers.end(), device) != peers.end(),
+            "set_peer_access: not a peer (add_peer first)");
+    std::uintptr_t at = va;
+    const std::uintptr_t end = va + bytes;
+    while (at < end) {
+      const auto it = mappings_.find(at);
+      require(it != mappings_.end(), "set_peer_access: range not wholly mapped");
+      require(it->second.accessible, "set_peer_access: a mapping its own device cannot access");
+      at += it->second.bytes;
+      ++peer_access_mappings;
+    }
+    require(at == end, "set_peer_access: range ends inside a mapping");
   }
 
   void record_free(cudaStream_t stream, std::uintptr_t va, std::size_t bytes) override {
