@@ -122,6 +122,8 @@ typedef struct cudamem_stats {
                                    vm_pool mapped ranges, pool chunks; 0 for async */
   uint64_t device_allocations;  /* vm_pool: physical handles created (cuMemCreate) */
   uint64_t device_frees;        /* vm_pool: physical handles given back (cuMemRelease) */
+  uint64_t device_allocated_bytes; /* vm_pool: the bytes of device_allocations */
+  uint64_t device_freed_bytes;     /* vm_pool: the bytes of device_frees */
 } cudamem_stats;
 
 /* An address range held from the device: a vm_pool's mapped range, a pool's chunk. */

@@ -159,6 +159,8 @@ class device_stack {
       s.segments = vm_pool_->held_ranges().size();
       s.device_allocations = v.handles_created;
       s.device_frees = v.handles_created - v.handles;  // every handle made and not held now
+      s.device_allocated_bytes = v.handles_created * v.handle_bytes;  // handles are one size
+      s.device_freed_bytes = s.device_frees * v.handle_bytes;
       s.largest_free_block = std::max<std::uint64_t>(v.largest_free_range,
                                                      v.pool_largest_free_block);
       s.held_ahead_bytes = v.held_ahead_bytes;  // whole handles free at the frontier

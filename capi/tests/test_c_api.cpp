@@ -443,6 +443,8 @@ TEST_CASE("c api: the peak of reserved memory, and its reset") {
   CHECK(after.reserved_bytes == 0);
   CHECK(after.peak_reserved_bytes == at_peak.peak_reserved_bytes);  // a peak outlives the memory
   CHECK(after.device_frees == at_peak.device_allocations);
+  CHECK(after.device_allocated_bytes == at_peak.device_allocations * 4 * MiB);
+  CHECK(after.device_freed_bytes == after.device_allocated_bytes);
   REQUIRE(cudamem_reset_peak_reserved(id, 0) == CUDAMEM_OK);
   CHECK(stats_of(id).peak_reserved_bytes == 0);
   CHECK(cudamem_reset_peak_reserved(id, 99) == CUDAMEM_ERROR_INVALID_ARGUMENT);

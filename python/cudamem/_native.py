@@ -83,8 +83,10 @@ def _load(path):
     """Loads libcudamem_c. It needs the CUDA runtime as a shared library: the one a framework
     loaded already (PyTorch loads it at import), else one found in the usual places — the
     nvidia-cuda-runtime wheel that PyTorch and CuPy install, CUDA_HOME, /usr/local/cuda."""
+    # RTLD_GLOBAL: cudamem's PyTorch allocator (cudamem/_torch) calls the library's functions
+    # by name. It exports the cudamem_* functions alone, so nothing else is put in sight.
     try:
-        return ctypes.CDLL(path)
+        return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     except OSError as first:
         needed = re.search(r"libcudart\.so\.\d+", str(first))
         if needed is None:
@@ -92,7 +94,7 @@ def _load(path):
         for candidate in _runtime_candidates(needed.group(0)):
             try:
                 ctypes.CDLL(candidate, mode=ctypes.RTLD_GLOBAL)
-                return ctypes.CDLL(path)
+                return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             except OSError:
                 continue
         raise CudamemError(

@@ -3,6 +3,7 @@
     import cudamem.torch
     cudamem.torch.install()                       # before PyTorch's first CUDA allocation
     x = torch.empty(1 << 30, device="cuda")       # from cudamem's vm_pool
+    torch.cuda.memory_allocated()                 # PyTorch's own statistics and tools work
     cudamem.torch.stats()                         # in use, peak, reserved, largest free block
     print(cudamem.torch.report())                 # who holds the device, and why
 
@@ -11,8 +12,13 @@
         blocks = torch.empty(...)
 
 install(resource="vm_pool", **options) makes cudamem PyTorch's CUDA allocator for the whole
-process (torch.cuda.memory.CUDAPluggableAllocator over libcudamem_c). Options (sizes are ints
-of bytes or strings such as "4GiB"):
+process: a complete implementation of PyTorch's allocator interface (CUDAAllocator), in C++
+compiled against the installed PyTorch (cudamem/_torch/torch_allocator.cpp: at pip install
+when PyTorch is importable there, else at the first install(), once per PyTorch version, a few
+seconds, cached in $CUDAMEM_CACHE_DIR or ~/.cache/cudamem). Memory statistics, snapshots and
+memory history, cuDNN's benchmark mode, CUDA graphs and torch.compile(mode="reduce-overhead"),
+the memory fraction, copies between GPUs and tensors sent to other processes work as under
+PyTorch's own allocator. Options (sizes are ints of bytes or strings such as "4GiB"):
     limit_bytes       a byte budget per device
     grow_ahead_bytes  vm_pool: most memory made ahead of need (0: none; default 4 GiB)
     handle_bytes      vm_pool: size of a physical handle (a multiple of 2 MiB; default 4 MiB)
@@ -26,33 +32,29 @@ Contract
   torch.cuda.init()); afterwards it raises StateError saying so. A second install() with the
   same options does nothing; with other options it raises StateError. Unknown options and
   wrong types raise TypeError; bad values ValueError (cudamem.ConfigError).
-- A failed allocation raises torch.OutOfMemoryError at the call that allocates, with cudamem's
-  report as its message, and the program goes on. (This needs a C++ compiler once per PyTorch
-  version, to build a 10-line shim against PyTorch's headers, cached in
-  $CUDAMEM_CACHE_DIR or ~/.cache/cudamem. Without one it raises RuntimeError with the same
-  report, and install() warns.)
+- A failed allocation raises torch.OutOfMemoryError at the call that allocates: PyTorch's first
+  line ("CUDA out of memory. Tried to allocate ..."), then cudamem's report; the program goes
+  on. torch.cuda.set_per_process_memory_fraction(f) is a limit on what tensors hold on that
+  device, and its out-of-memory error says the fraction was the cause.
+- Without a C++ compiler (or with CUDAMEM_TORCH_GLUE=0) install() falls back to PyTorch's
+  pluggable-allocator interface and warns: then a failed allocation raises RuntimeError with
+  cudamem's report, and PyTorch's memory statistics, snapshots, CUDA graphs, the memory
+  fraction and IPC are not available (PyTorch raises "does not yet support").
 - Streams: PyTorch frees on the stream a tensor was allocated on; Tensor.record_stream(s)
   makes the free wait, without blocking any stream, until s's work queued before the free has
   finished. torch.cuda.empty_cache() gives wholly free memory back to the device.
-- torch.cuda.memory_allocated() and the other torch.cuda memory statistics are not available
-  under a pluggable allocator (PyTorch raises); use stats() and report().
-- pool(resource, **options) is a torch.cuda.MemPool on an allocator of its own (up to 15):
-  PyTorch's caching allocator manages the pool's blocks and gets its segments from cudamem,
-  so there an out-of-memory is PyTorch's own torch.OutOfMemoryError (after it freed its cache
-  and retried); last_oom_report(pool) has cudamem's side.
+- pool(resource, **options) is a torch.cuda.MemPool on an allocator of its own (up to 15);
+  its memory comes from that cudamem allocator, and an out-of-memory in it is PyTorch's own
+  torch.OutOfMemoryError; last_oom_report(pool) has cudamem's side.
 """
 import ctypes
-import hashlib
 import os
-import subprocess
-import sys
-import tempfile
 import threading
 import warnings
 
 import torch
 
-from . import _native, _process
+from . import _native, _process, _torch_build
 from ._errors import CudamemError, StateError
 
 __all__ = ["install", "is_installed", "pool", "stats", "report", "last_oom_report",
@@ -65,30 +67,78 @@ _pools = {}  # id(MemPool) -> (allocator id, the MemPool's allocator object)
 
 def install(resource="vm_pool", **options):
     """Makes cudamem PyTorch's CUDA allocator (see the module's contract)."""
-    global _installed
+    global _installed, _full
     with _lock:
         _process.claim("cudamem.torch.install()", resource, options)
         if _installed:
             return
-        allocator = torch.cuda.memory.CUDAPluggableAllocator(
-            _native.library_path(), "cudamem_torch_malloc", "cudamem_torch_free")
-        hooks = allocator.allocator()
-        hooks.set_record_stream_fn(_native.function_address("cudamem_torch_record_stream"))
-        hooks.set_reset_fn(_native.function_address("cudamem_torch_empty_cache"))
-        try:
-            torch.cuda.memory.change_current_allocator(allocator)
-        except RuntimeError as e:
-            raise StateError(
-                "cudamem.torch.install() must run before PyTorch initialises its CUDA "
-                "allocator, i.e. before the program's first CUDA tensor (or torch.cuda.init()): "
-                "PyTorch's own allocator is in use in this process already (%s). Call it at "
-                "the start of the program, right after `import torch`." % e) from None
-        _register_oom_thrower()
+        allocator = _full_allocator()
+        if allocator is not None:
+            _install_full(allocator)
+            _full = allocator
+        else:
+            _install_pluggable()
         _installed = True
-        _keep.append(allocator)
 
 
-_keep = []  # the installed allocator object, alive for the life of the process
+def _full_allocator():
+    """The compiled allocator (built now if need be), or None with a warning saying why."""
+    if os.environ.get("CUDAMEM_TORCH_GLUE", "1") == "0":
+        reason = "CUDAMEM_TORCH_GLUE=0"
+    else:
+        try:
+            path = _torch_build.find(torch) or _torch_build.build(torch, _torch_build.cache_dir())
+            _native.lib()  # libcudamem_c first, with its symbols global: the allocator uses them
+            glue = ctypes.CDLL(path)
+            glue.cudamem_torch_allocator_install.restype = ctypes.c_int
+            glue.cudamem_torch_allocator_install.argtypes = [
+                ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+            glue.cudamem_torch_allocator_last_oom.restype = ctypes.c_size_t
+            glue.cudamem_torch_allocator_last_oom.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+            _keep.append(glue)
+            return glue
+        except (_torch_build.BuildError, OSError) as e:
+            reason = str(e)
+    warnings.warn(
+        "cudamem.torch: PyTorch's allocator interface is served in part only (%s): a failed "
+        "allocation raises RuntimeError with cudamem's report, and torch.cuda's memory "
+        "statistics, snapshots, CUDA graphs, the memory fraction and sending tensors to other "
+        "processes are not available. A C++ compiler and the CUDA Toolkit's headers give all "
+        "of them." % reason, RuntimeWarning, stacklevel=3)
+    return None
+
+
+def _install_full(glue):
+    config = dict(item.split("=", 1) for item in _native.describe(0).split(", "))
+    error = ctypes.create_string_buffer(4096)
+    if glue.cudamem_torch_allocator_install(config["resource"].encode(), error,
+                                            len(error)) != 0:
+        raise _refusal(error.value.decode("utf-8", "replace"))
+
+
+def _install_pluggable():
+    allocator = torch.cuda.memory.CUDAPluggableAllocator(
+        _native.library_path(), "cudamem_torch_malloc", "cudamem_torch_free")
+    hooks = allocator.allocator()
+    hooks.set_record_stream_fn(_native.function_address("cudamem_torch_record_stream"))
+    hooks.set_reset_fn(_native.function_address("cudamem_torch_empty_cache"))
+    try:
+        torch.cuda.memory.change_current_allocator(allocator)
+    except RuntimeError as e:
+        raise _refusal(str(e)) from None
+    _keep.append(allocator)
+
+
+def _refusal(why):
+    return StateError(
+        "cudamem.torch.install() must run before PyTorch initialises its CUDA "
+        "allocator, i.e. before the program's first CUDA tensor (or torch.cuda.init()): "
+        "PyTorch's own allocator is in use in this process already (%s). Call it at "
+        "the start of the program, right after `import torch`." % why)
+
+
+_keep = []  # what install() loaded or made, alive for the life of the process
+_full = None  # the compiled allocator's library, once installed
 
 
 def is_installed():
@@ -142,9 +192,10 @@ def _device(device):
 def stats(device=None, pool=None):
     """What cudamem holds for one device (the current one by default): a dict with
     in_use_bytes, peak_in_use_bytes, reserved_bytes, largest_free_block (None: unknown),
-    held_ahead_bytes, allocations, deallocations, allocated_bytes, pending_frees (frees
-    waiting for record_stream's streams) and limit_bytes (None: no budget). `pool`: a pool
-    made by pool(), else the process-wide allocator."""
+    held_ahead_bytes, allocations, deallocations, allocated_bytes, pending_frees (frees of the
+    C library waiting for record_stream's streams: under install()'s allocator such frees wait
+    before they reach it, and torch.cuda.memory_stats() counts them as active) and limit_bytes
+    (None: no budget). `pool`: a pool made by pool(), else the process-wide allocator."""
     return _native.stats(_allocator_id(pool), _device(device))
 
 
@@ -157,7 +208,12 @@ def report(device=None, nbytes=0, pool=None):
 
 
 def last_oom_report(pool=None):
-    """The report of the last allocation cudamem could not meet ("" if none)."""
+    """The report of the last allocation cudamem could not meet ("" if none): for the
+    installed allocator, the whole message of the torch.OutOfMemoryError it raised."""
+    if pool is None and _full is not None:
+        buf = ctypes.create_string_buffer(_full.cudamem_torch_allocator_last_oom(None, 0) or 1)
+        _full.cudamem_torch_allocator_last_oom(buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
     return _native.last_oom_report(_allocator_id(pool))
 
 
@@ -165,58 +221,3 @@ def release(device=None, pool=None):
     """Gives wholly free memory back to the device (torch.cuda.empty_cache() does this too);
     returns the bytes given back. device None: every device."""
     return _native.release(_allocator_id(pool), -1 if device is None else _device(device))
-
-
-# --- torch.OutOfMemoryError ------------------------------------------------------------------
-
-def _register_oom_thrower():
-    """Builds (once per PyTorch version) and registers the shim that throws PyTorch's
-    out-of-memory exception; without it a failed allocation raises RuntimeError."""
-    if os.environ.get("CUDAMEM_TORCH_GLUE", "1") == "0":
-        return
-    try:
-        path = _oom_thrower_library()
-        glue = ctypes.CDLL(path)
-        _keep.append(glue)
-        address = ctypes.cast(glue.cudamem_torch_throw_oom, ctypes.c_void_p).value
-        _native.lib().cudamem_set_torch_oom_thrower(address)
-    except Exception as e:  # noqa: BLE001 - any failure leaves the RuntimeError fallback
-        warnings.warn(
-            "cudamem.torch: a failed allocation will raise RuntimeError (with cudamem's report) "
-            "rather than torch.OutOfMemoryError: the shim that throws PyTorch's exception could "
-            "not be built (%s). It needs a C++ compiler (set CXX) and PyTorch's headers."
-            % e, RuntimeWarning, stacklevel=3)
-
-
-def _oom_thrower_library():
-    source = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_torch_glue.cpp")
-    with open(source, "rb") as f:
-        code = f.read()
-    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    key = hashlib.sha256(code + torch.__version__.encode() + torch_dir.encode()
-                         + bytes([abi])).hexdigest()[:16]
-    cache = os.environ.get("CUDAMEM_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "cudamem")
-    target = os.path.join(cache, "torch_oom_%s.so" % key)
-    if os.path.exists(target):
-        return target
-    os.makedirs(cache, exist_ok=True)
-    compiler = os.environ.get("CXX") or "c++"
-    fd, temporary = tempfile.mkstemp(suffix=".so", dir=cache)
-    os.close(fd)
-    command = [compiler, "-O2", "-shared", "-fPIC", "-std=c++17",
-               "-D_GLIBCXX_USE_CXX11_ABI=%d" % abi,
-               "-I" + os.path.join(torch_dir, "include"), source, "-o", temporary,
-               "-L" + os.path.join(torch_dir, "lib"), "-lc10",
-               "-Wl,-rpath," + os.path.join(torch_dir, "lib")]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise CudamemError("%s failed: %s" % (" ".join(command[:1]),
-                                                  done.stderr.strip()[-600:]))
-        os.replace(temporary, target)  # atomic: a concurrent process sees all of it or none
-    finally:
-        if os.path.exists(temporary):
-            os.unlink(temporary)
-    return target

@@ -64,7 +64,7 @@ def main():
             skip("neither PyTorch nor CuPy is installed for %s" % sys.executable)
         if gpu_count() == 0:
             skip("no CUDA device")
-        return pytest(["test_torch.py", "test_cupy.py"], env)
+        return pytest(["test_torch.py", "test_torch_compat.py", "test_cupy.py"], env)
     # wheel: what `pip install ./python` does, into a directory of its own.
     if not importable("pip"):
         skip("pip is not installed for %s" % sys.executable)

@@ -161,8 +161,7 @@ class no_chunks final : public cudamem::torch_bridge::chunk_source {
 
 class cudamem_torch_allocator final : public cca::CUDAAllocator {
  public:
-  explicit cudamem_torch_allocator(std::string resource, std::size_t handle_bytes)
-      : resource_(std::move(resource)), handle_bytes_(handle_bytes) {}
+  explicit cudamem_torch_allocator(std::string resource) : resource_(std::move(resource)) {}
 
   // --- c10::Allocator ----------------------------------------------------------------------
 
@@ -263,8 +262,8 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
     }
     const auto reserved = static_cast<std::int64_t>(c.reserved_bytes);
     const auto peak = static_cast<std::int64_t>(std::max(c.peak_reserved_bytes, c.reserved_bytes));
-    const auto mapped = static_cast<std::int64_t>(c.device_allocations * handle_bytes_);
-    const auto unmapped = static_cast<std::int64_t>(c.device_frees * handle_bytes_);
+    const auto mapped = static_cast<std::int64_t>(c.device_allocated_bytes);
+    const auto unmapped = static_cast<std::int64_t>(c.device_freed_bytes);
     auto& r = s.reserved_bytes;
     r[0] = {reserved, peak, mapped - d.figures.reserved_allocated_base,
             unmapped - d.figures.reserved_freed_base};
@@ -295,8 +294,8 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
     const std::lock_guard lock(mutex_);
     device_figures& f = devices_[device].figures;
     f.reset_accumulated();
-    f.reserved_allocated_base = static_cast<std::int64_t>(c.device_allocations * handle_bytes_);
-    f.reserved_freed_base = static_cast<std::int64_t>(c.device_frees * handle_bytes_);
+    f.reserved_allocated_base = static_cast<std::int64_t>(c.device_allocated_bytes);
+    f.reserved_freed_base = static_cast<std::int64_t>(c.device_freed_bytes);
     f.device_alloc_base = static_cast<std::int64_t>(c.device_allocations);
     f.device_free_base = static_cast<std::int64_t>(c.device_frees);
   }
@@ -882,7 +881,6 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
   // --- state --------------------------------------------------------------------------------
 
   const std::string resource_;     ///< vm_pool, pool or async: what the segments are
-  const std::size_t handle_bytes_;  ///< vm_pool: the size of a physical handle
   std::mutex mutex_;
   bool initialized_ = false;
   std::atomic<bool> enabled_{true};
@@ -1516,7 +1514,8 @@ cca::ShareableHandle cudamem_torch_allocator::shareIpcHandle(void* ptr) {
   lock.unlock();
   cudamem_ipc_export e{};
   e.struct_size = sizeof(e);
-  std::vector<int> fds(size / std::max<std::size_t>(handle_bytes_, 1) + 4);
+  // Handles are whole granules of at least 2 MiB: this many fds are enough.
+  std::vector<int> fds(size / (std::size_t{2} << 20) + 2);
   std::size_t fd_count = 0;
   const cudamem_status s = cudamem_ipc_export_range(process_allocator, device, address, size, &e,
                                                     fds.data(), fds.size(), &fd_count);
@@ -1635,13 +1634,12 @@ void copy_text(const std::string& text, char* buf, std::size_t size) {
 // --- the C entry points cudamem.torch calls (ctypes): no exception crosses them ------------------
 
 extern "C" __attribute__((visibility("default"))) int cudamem_torch_allocator_install(
-    const char* resource, std::uint64_t handle_bytes, char* error, std::size_t error_size) {
+    const char* resource, char* error, std::size_t error_size) {
   try {
     if (installed()) {
       return 0;
     }
-    auto made = std::make_shared<cudamem_torch_allocator>(resource != nullptr ? resource : "",
-                                                          handle_bytes);
+    auto made = std::make_shared<cudamem_torch_allocator>(resource != nullptr ? resource : "");
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(made);
     // Also the allocator PyTorch's device-generic code asks for (torch.accelerator.*):
     // changeCurrentAllocator sets only the CUDA one.
