@@ -10,7 +10,8 @@ layout (virtual functions, the structs of snapshots and statistics) belongs to o
 version. The key of a build names that version, where it is installed, its C++ ABI and the
 sources, so a library is never loaded into a PyTorch it was not built for.
 
-Needs a C++17 compiler ($CXX, else c++) and the CUDA runtime's headers ($CUDA_HOME, the
+Needs a C++17 compiler (choose_compiler: $CUDAMEM_CXX, else the system's c++) and the CUDA
+runtime's headers ($CUDA_HOME, the
 toolkit in /usr/local/cuda, or the nvidia-cuda-runtime wheel PyTorch installs).
 """
 import glob
@@ -62,6 +63,34 @@ def cuda_include_dir():
                      "CUDA_HOME to the CUDA Toolkit, or install it in /usr/local/cuda")
 
 
+def _links_libstdcxx_dynamically(compiler):
+    """Whether `compiler` links libstdc++ as a shared library. One that links it statically
+    (a GCC built with --disable-shared, seen as $CXX on a GPU machine) puts a second copy of
+    libstdc++'s locale code beside the one PyTorch's process loaded: formatting a number in
+    the allocator then crashed."""
+    try:
+        done = subprocess.run([compiler, "-print-file-name=libstdc++.so"], capture_output=True,
+                              text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    path = done.stdout.strip()
+    return done.returncode == 0 and os.path.isabs(path) and os.path.exists(path)
+
+
+def choose_compiler():
+    """$CUDAMEM_CXX if set; else the system's c++ or g++, else $CXX or clang++: the first that
+    links libstdc++ as a shared library, as PyTorch itself does."""
+    if os.environ.get("CUDAMEM_CXX"):
+        return os.environ["CUDAMEM_CXX"]
+    candidates = [shutil.which("c++"), shutil.which("g++"), os.environ.get("CXX"),
+                  shutil.which("clang++")]
+    for compiler in candidates:
+        if compiler and _links_libstdcxx_dynamically(compiler):
+            return compiler
+    raise BuildError("no C++ compiler that links libstdc++ as a shared library (install g++, "
+                     "or name one in CUDAMEM_CXX)")
+
+
 def key(torch):
     """What a build is valid for: the sources, the PyTorch version, where it is, its ABI."""
     h = hashlib.sha256()
@@ -103,9 +132,7 @@ def build(torch, directory, quiet=False):
     if os.path.isfile(target):
         return target
     torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not compiler:
-        raise BuildError("no C++ compiler (set CXX, or install g++)")
+    compiler = choose_compiler()
     os.makedirs(directory, exist_ok=True)
     if not quiet:
         print("cudamem: building its PyTorch allocator for PyTorch %s (once per PyTorch "

@@ -239,6 +239,12 @@ def test_cuda_graphs_pools_and_their_memory(allocator):
         g1.replay()
         g2.replay()
         print("shared", bool((b == 50).all().item()))
+        # A graph's memory is kept while it lives; gone once the graphs and their outputs are.
+        del g, g1, g2, y, a, b
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        print("released", len(pool_segments()) == baseline)
         # make_graphed_callables, training a small module.
         module = torch.nn.Linear(64, 64).cuda()
         sample = torch.randn(8, 64, device="cuda", requires_grad=True)
@@ -250,12 +256,6 @@ def test_cuda_graphs_pools_and_their_memory(allocator):
             opt.step()
             opt.zero_grad()
         print("graphed", bool(torch.isfinite(module.weight).all().item()))
-        # A graph's memory is kept while it lives; gone once graphs and outputs are.
-        del g, g1, g2, y, a, b, graphed, out, module, opt, sample
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        print("released", len(pool_segments()) == baseline)
     """, allocator)
     assert v["replay"] == "True"
     assert v["pool"] == "True"

@@ -61,6 +61,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -91,6 +92,28 @@ std::string last_error() { return cudamem_last_error(); }
 /// A cudamem status that is not OK as PyTorch's exception (out of memory is handled apart).
 void check_status(cudamem_status s, const char* what) {
   TORCH_CHECK(s == CUDAMEM_OK, "cudamem: ", what, ": ", last_error());
+}
+
+/// Bytes as PyTorch prints them ("1.50 GiB"), without iostreams: a compiler that links its own
+/// libstdc++ statically crashed formatting a double through a stream in PyTorch's process.
+std::string size_text(std::uint64_t bytes) {
+  char text[64];
+  if (bytes <= 1024) {
+    std::snprintf(text, sizeof(text), "%llu bytes", static_cast<unsigned long long>(bytes));
+  } else if (bytes <= (std::uint64_t{1} << 20)) {
+    std::snprintf(text, sizeof(text), "%.2f KiB", static_cast<double>(bytes) / 1024.0);
+  } else if (bytes <= (std::uint64_t{1} << 30)) {
+    std::snprintf(text, sizeof(text), "%.2f MiB", static_cast<double>(bytes) / 1048576.0);
+  } else {
+    std::snprintf(text, sizeof(text), "%.2f GiB", static_cast<double>(bytes) / 1073741824.0);
+  }
+  return text;
+}
+
+std::string fraction_text(double f) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", f);
+  return text;
 }
 
 std::string pool_name(MempoolId_t id) {
@@ -934,9 +957,9 @@ void* cudamem_torch_allocator::malloc(DeviceIndex device, std::size_t n, cudaStr
                        *d.allowed) {
     const std::string cause =
         "the memory fraction set by torch.cuda.set_per_process_memory_fraction(" +
-        std::to_string(d.fraction) + ") allows " + c10::CachingAllocator::format_size(*d.allowed) +
+        fraction_text(d.fraction) + ") allows " + size_text(*d.allowed) +
         " on this device, and PyTorch's tensors hold " +
-        c10::CachingAllocator::format_size(
+        size_text(
             static_cast<std::size_t>(d.figures.allocated_bytes[0].current)) +
         " of it. Verdict: memory fraction. Raise the fraction, or free tensors you no longer "
         "need.";
@@ -965,7 +988,7 @@ void* cudamem_torch_allocator::malloc(DeviceIndex device, std::size_t n, cudaStr
       p = ps.pool.allocate(size, stream, ps.chunks);
       if (p == nullptr) {
         cause = "the memory pool " + pool_name(pool) + " could not get a chunk of " +
-                c10::CachingAllocator::format_size(ps.pool.chunk_size_for(size)) + " (" +
+                size_text(ps.pool.chunk_size_for(size)) + " (" +
                 (ps.chunks.custom() ? std::string("its allocator returned none")
                                     : last_error()) + ")";
       } else if (const std::uintptr_t base = ps.pool.last_new_chunk(); base != 0) {
@@ -1082,13 +1105,12 @@ void cudamem_torch_allocator::out_of_memory(
         in_pools += b.size;
       }
     }
-    using c10::CachingAllocator::format_size;
-    message = "CUDA out of memory. Tried to allocate " + format_size(size) + ". GPU " +
-              std::to_string(device) + " has a total capacity of " + format_size(total) +
-              " of which " + format_size(free) + " is free. " +
-              (d.allowed ? format_size(*d.allowed) + " allowed; " : std::string()) +
-              "Of the allocated memory " + format_size(allocated) + " is allocated by PyTorch" +
-              (in_pools != 0 ? ", with " + format_size(in_pools) +
+    message = "CUDA out of memory. Tried to allocate " + size_text(size) + ". GPU " +
+              std::to_string(device) + " has a total capacity of " + size_text(total) +
+              " of which " + size_text(free) + " is free. " +
+              (d.allowed ? size_text(*d.allowed) + " allowed; " : std::string()) +
+              "Of the allocated memory " + size_text(allocated) + " is allocated by PyTorch" +
+              (in_pools != 0 ? ", with " + size_text(in_pools) +
                                    " allocated in private pools (e.g., CUDA Graphs)"
                              : std::string()) +
               ", in cudamem's memory.\n" + (cause.empty() ? std::string() : cause + "\n") +
