@@ -62,9 +62,18 @@
 //   range) copy at most this many bytes with one plain cudaMemcpyAsync; larger copies between
 //   pageable host memory and device memory are staged through `default_copy_stager` of the
 //   stream's device. Default 1 MiB, measured (default_direct_copy_max_bytes says how).
+//
+// Parts (detail/copy/; each opens with what it owns)
+//   stager_options.hpp   copy_stager_options (the defaults, measured), their checks, how a
+//                        copy is cut into stages, copy_stager_stats
+//   memcpy_workers.hpp   the host threads that share one memcpy
+//   transfer_engine.hpp  the CUDA calls of the pipeline behind an interface (tests: a fake)
+// Here: the stager (its chunks, the pipeline, giving chunks back after a failure), and when
+// cudamem::copy stages, through the per-device default stagers.
 #pragma once
 
 #include <cudamem/detail/copy/memcpy_workers.hpp>
+#include <cudamem/detail/copy/stager_options.hpp>
 #include <cudamem/detail/copy/transfer_engine.hpp>
 #include <cudamem/detail/cuda/cuda_upstream.hpp>
 #include <cudamem/detail/cuda/stream_ops.hpp>
@@ -89,37 +98,6 @@
 
 namespace cudamem {
 
-/// Host threads per staged memcpy by default: half the machine's hardware threads, 1 to 8.
-/// Why. One thread's memcpy out of pageable memory is about the driver's own staging speed:
-/// measured on the H100's 16-core host at 256 MiB (bench_buffers, section 4), 1 thread 9.9 GB/s
-/// to the device, 2 threads 17.6, 4 threads 25.7, 6 threads 30.2, 8 threads 35.6 (8 MiB
-/// chunks); from the device 9.5 / 17.0 / 28.2 / 35.2 / 42.6. Half the cores leaves the others
-/// to the program; on a small machine the threads would only contend.
-[[nodiscard]] inline unsigned default_copy_threads() noexcept {
-  return std::clamp(std::thread::hardware_concurrency() / 2, 1u, 8u);
-}
-
-/// How a copy_stager stages; see the contract for the allowed ranges. The defaults are the
-/// best row of bench_buffers' threads x chunk sweep on the H100 (bench/README.md): 8 MiB chunks
-/// beat 4 MiB by 4-50% and 16 MiB by 7-22% at 4-8 threads; 4 chunks (32 MiB pinned per device)
-/// keep two or three DMAs queued behind the host's memcpy.
-struct copy_stager_options {
-  std::size_t chunk_bytes = std::size_t{8} << 20;  // one stage's pinned chunk
-  unsigned chunk_count = 4;                         // chunks held at most (pipeline depth)
-  unsigned threads = default_copy_threads();        // host threads per memcpy, caller included
-};
-
-/// What a stager holds and does now.
-struct copy_stager_stats {
-  std::size_t chunks_allocated = 0;     // pinned chunks held (in use or idle)
-  std::size_t pinned_bytes = 0;         // their bytes
-  std::size_t chunks_in_use = 0;        // held by copies running now
-  std::size_t copies_in_progress = 0;   // staged copies running now
-  std::size_t memcpy_pieces_in_flight = 0;  // host memcpy pieces queued or being copied
-  unsigned worker_threads = 0;          // worker threads alive
-  std::uint64_t staged_copies = 0;      // copies done since construction (any outcome)
-};
-
 class copy_stager {
  public:
   /// A stager for copies on streams of `device` (-1: the current device).
@@ -130,7 +108,9 @@ class copy_stager {
   /// A stager over any engine (tests give it a fake one).
   explicit copy_stager(std::unique_ptr<detail::transfer_engine> engine,
                        const copy_stager_options& options = {})
-      : options_(validated(options)), engine_(std::move(engine)), slots_(options_.chunk_count) {
+      : options_(detail::validated_stager_options(options)),
+        engine_(std::move(engine)),
+        slots_(options_.chunk_count) {
     if (engine_ == nullptr) {
       throw std::invalid_argument("cudamem::copy_stager: the transfer engine is null");
     }
@@ -172,7 +152,7 @@ class copy_stager {
   /// New options, once the copies in progress are done; the chunks are freed (the next copy
   /// allocates chunks of the new size) and the workers joined.
   void set_options(const copy_stager_options& options) {
-    const copy_stager_options checked = validated(options);
+    const copy_stager_options checked = detail::validated_stager_options(options);
     std::vector<chunk_slot> fresh(checked.chunk_count);  // before anything changes: may throw
     std::unique_lock lock{mutex_};
     idle_.wait(lock, [this] { return copies_in_progress_ == 0; });
@@ -242,42 +222,11 @@ class copy_stager {
     bool succeeded_ = false;
   };
 
-  static copy_stager_options validated(const copy_stager_options& o) {
-    const auto refuse = [](const std::string& what) {
-      throw std::invalid_argument("cudamem::copy_stager: " + what);
-    };
-    constexpr std::size_t kib = 1024;
-    if (o.chunk_bytes < 64 * kib || o.chunk_bytes > (std::size_t{1} << 30) ||
-        o.chunk_bytes % (4 * kib) != 0) {
-      refuse("chunk_bytes is " + std::to_string(o.chunk_bytes) +
-             "; it must be a multiple of 4 KiB from 64 KiB to 1 GiB");
-    }
-    if (o.chunk_count < 1 || o.chunk_count > 64) {
-      refuse("chunk_count is " + std::to_string(o.chunk_count) + "; it must be 1 to 64");
-    }
-    if (o.threads < 1 || o.threads > 64) {
-      refuse("threads is " + std::to_string(o.threads) + "; it must be 1 to 64");
-    }
-    if (o.chunk_bytes * o.chunk_count > (std::size_t{4} << 30)) {
-      refuse("chunk_bytes * chunk_count is " + std::to_string(o.chunk_bytes * o.chunk_count) +
-             " bytes; at most 4 GiB may be pinned for staging");
-    }
-    return o;
-  }
-
   static void check_pointers(const void* dst, const void* src, const char* what) {
     if (dst == nullptr || src == nullptr) {
       throw std::invalid_argument(std::string("cudamem::copy_stager::") + what + ": the " +
                                   (dst == nullptr ? "destination" : "source") + " is null");
     }
-  }
-
-  /// Stage size for a copy of `bytes`: the chunk, or less so that a short copy still has
-  /// chunk_count stages to overlap (never below 256 KiB, where a stage costs more than it hides).
-  static std::size_t stage_bytes(std::size_t bytes, const copy_stager_options& o) {
-    constexpr std::size_t smallest = std::size_t{256} << 10;
-    const std::size_t even = (bytes / o.chunk_count + 4095) / 4096 * 4096;
-    return std::min(o.chunk_bytes, std::max(smallest, even));
   }
 
   void run_copy(unsigned char* dst, const unsigned char* src, std::size_t bytes,
@@ -287,7 +236,7 @@ class copy_stager {
     {
       std::unique_lock lock{mutex_};
       o = options_;
-      const std::size_t stage = stage_bytes(bytes, o);
+      const std::size_t stage = detail::stage_bytes(bytes, o);
       const std::size_t stages = (bytes + stage - 1) / stage;
       const std::size_t wanted = std::min<std::size_t>(stages, o.chunk_count);
       chunk_freed_.wait(lock, [this] { return free_slot_count() > 0; });
@@ -304,7 +253,7 @@ class copy_stager {
     }
     held_chunks chunks(*this, std::move(taken), stream);
     allocate_missing(chunks, o.chunk_bytes);
-    const std::size_t stage = stage_bytes(bytes, o);
+    const std::size_t stage = detail::stage_bytes(bytes, o);
     const std::size_t stages = (bytes + stage - 1) / stage;
     const auto length = [&](std::size_t i) { return std::min(stage, bytes - i * stage); };
     if (way == direction::to_device) {

@@ -18,7 +18,7 @@
 //   cudamem::received_fds r = cudamem::receive_fds(socket);
 //   cudamem::imported_pool pool{std::move(r.fds[0]), r.payload_as<cudamem::ipc_pool_descriptor>()};
 //   cudamem::imported_pointer p = pool.import(token);        // the exporter's memory, mapped
-//   kernel<<<g, b, 0, s.get()>>>(p.span<float>());
+//   kernel<<<g, b, 0, s.get()>>>(p.span<float>());         // on this thread's GPU, whichever
 //   // p's destructor unmaps it (waits for the device, frees); pool's closes the import.
 //
 // Why. CUDA's pools can be shared (cudaMemPoolExportToShareableHandle, cudaMemPoolExportPointer,
@@ -58,15 +58,20 @@
 // Contract — importer (`imported_pool`, `imported_pointer`)
 // - `imported_pool(fd, descriptor, options)` imports the pool (cudaMemPoolImportFromShareableHandle)
 //   and takes the fd (closed once imported). The memory lives on the device named by the
-//   descriptor's UUID; `options.access_from` lists other devices of this process that will use
-//   it (cudaMemPoolSetAccess: they need a peer path). Errors, nothing left behind on any: an fd
-//   that is not open `std::invalid_argument`; a device this process cannot see, or a device in
-//   `access_from` with no peer path to the memory, `ipc_error` (a std::invalid_argument); an
-//   fd that is not a pool handle: `cuda_error` from CUDA.
+//   descriptor's UUID. Importers on any GPU: the importing thread's current device gets access
+//   (cudaMemPoolSetAccess) when it is not the memory's device, so a process that runs on GPU 1
+//   can import GPU 0's memory and use it in its kernels as it is; `options.access_from` lists
+//   more devices of this process that will use it. `access_devices()` lists every device with
+//   access, the memory's own first. Each needs a peer path to the memory (can_access_peer).
+//   Errors, nothing left behind on any: an fd that is not open `std::invalid_argument`; a
+//   device id in `access_from` that does not exist `std::out_of_range`; a device this process
+//   cannot see, or a current device or one in `access_from` with no peer path to the memory,
+//   `ipc_error` (a std::invalid_argument) naming both devices — at the import, never as a fault
+//   in a kernel later; an fd that is not a pool handle: `cuda_error` from CUDA.
 // - `import(token)` maps one exported allocation (cudaMemPoolImportPointer) and returns its
 //   owner, `imported_pointer`: `get()`, `bytes()`, `span<T>()`; its destructor frees the
-//   mapping as cudaFree would (waits for the device, then frees, complete before it returns,
-//   as CUDA requires before the exporter frees). A token of another pool throws `ipc_error`;
+//   mapping as cudaFree would (waits for every device with access, then frees, complete before
+//   it returns, as CUDA requires before the exporter frees). A token of another pool throws `ipc_error`;
 //   one CUDA does not know (a pointer the exporter never exported, or already freed)
 //   `cuda_error`.
 // - The imported_pool must outlive its imported_pointers (its destructor reports any left).
@@ -301,6 +306,7 @@ class imported_pointer {
       : ptr_(std::exchange(other.ptr_, nullptr)),
         bytes_(std::exchange(other.bytes_, 0)),
         device_(other.device_),
+        access_(std::exchange(other.access_, nullptr)),
         live_(std::exchange(other.live_, nullptr)) {}
   imported_pointer& operator=(imported_pointer&& other) noexcept {
     if (this != &other) {
@@ -308,6 +314,7 @@ class imported_pointer {
       ptr_ = std::exchange(other.ptr_, nullptr);
       bytes_ = std::exchange(other.bytes_, 0);
       device_ = other.device_;
+      access_ = std::exchange(other.access_, nullptr);
       live_ = std::exchange(other.live_, nullptr);
     }
     return *this;
@@ -324,10 +331,18 @@ class imported_pointer {
     return {static_cast<T*>(ptr_), bytes_ / sizeof(T)};
   }
 
-  /// Unmaps now (complete on return, after all work on the device); the owner is left empty.
+  /// Unmaps now (complete on return, after all work on every device with access); the owner
+  /// is left empty.
   void reset() noexcept {
     if (ptr_ == nullptr) {
       return;
+    }
+    // Kernels on the other devices with access may still use the memory: wait for them too.
+    for (const int d : *access_) {
+      if (d != device_) {
+        const detail::quiet_device_scope on{d, "imported_pointer: switching device to wait"};
+        report_error(cudaDeviceSynchronize(), "imported_pointer: waiting for a device to free");
+      }
     }
     const detail::quiet_device_scope on{device_, "imported_pointer: switching device to free"};
     // What cudaFree does (wait for the device, then free), spelled out: compute-sanitizer
@@ -341,25 +356,30 @@ class imported_pointer {
     live_->fetch_sub(1, std::memory_order_relaxed);
     ptr_ = nullptr;
     bytes_ = 0;
+    access_ = nullptr;
     live_ = nullptr;
   }
 
  private:
   friend class imported_pool;
-  imported_pointer(void* ptr, std::size_t bytes, int device, std::atomic<long>* live) noexcept
-      : ptr_(ptr), bytes_(bytes), device_(device), live_(live) {
+  imported_pointer(void* ptr, std::size_t bytes, int device, const std::vector<int>* access,
+                   std::atomic<long>* live) noexcept
+      : ptr_(ptr), bytes_(bytes), device_(device), access_(access), live_(live) {
     live_->fetch_add(1, std::memory_order_relaxed);
   }
 
   void* ptr_ = nullptr;
   std::size_t bytes_ = 0;
   int device_ = -1;
-  std::atomic<long>* live_ = nullptr;  ///< the pool's count of live imports
+  const std::vector<int>* access_ = nullptr;  ///< the pool's devices with access
+  std::atomic<long>* live_ = nullptr;         ///< the pool's count of live imports
 };
 
 /// How to import a pool.
 struct imported_pool_options {
-  std::vector<int> access_from{};  ///< other devices of this process that will use the memory
+  /// More devices of this process that will use the memory, besides the importing thread's
+  /// current device (which gets access by itself).
+  std::vector<int> access_from{};
 };
 
 /// Another process's pool, imported; see the contract above.
@@ -377,14 +397,12 @@ class imported_pool {
                       " is not one this cudamem reads");
     }
     device_ = detail::require_device_with_uuid(descriptor.device, "imported_pool");
-    for (const int d : options.access_from) {
-      validate_device(d);
-      if (d != device_ && !can_access_peer(d, device_)) {
-        throw ipc_error("imported_pool: device " + std::to_string(d) +
-                        " has no peer path to device " + std::to_string(device_) +
-                        ", where the memory lives");
-      }
-    }
+    // The importing thread's device (when another) and access_from: checked before the import.
+    const std::vector<int> others = detail::import_access("imported_pool", device_,
+                                                         options.access_from);
+    access_.reserve(others.size() + 1);
+    access_.push_back(device_);
+    access_.insert(access_.end(), others.begin(), others.end());
     const device_guard on{device_};
     check(cudaMemPoolImportFromShareableHandle(
               &pool_, reinterpret_cast<void*>(static_cast<std::intptr_t>(handle.get())),
@@ -393,14 +411,12 @@ class imported_pool {
     handle.reset();  // the imported pool holds what it needs
     try {
       std::vector<cudaMemAccessDesc> access;
-      for (const int d : options.access_from) {
-        if (d != device_) {
-          cudaMemAccessDesc desc{};
-          desc.location.type = cudaMemLocationTypeDevice;
-          desc.location.id = d;
-          desc.flags = cudaMemAccessFlagsProtReadWrite;
-          access.push_back(desc);
-        }
+      for (const int d : others) {
+        cudaMemAccessDesc desc{};
+        desc.location.type = cudaMemLocationTypeDevice;
+        desc.location.id = d;
+        desc.flags = cudaMemAccessFlagsProtReadWrite;
+        access.push_back(desc);
       }
       if (!access.empty()) {
         check(cudaMemPoolSetAccess(pool_, access.data(), access.size()), "cudaMemPoolSetAccess");
@@ -434,11 +450,14 @@ class imported_pool {
     void* p = nullptr;
     ipc_pointer copy = token;  // CUDA takes the export data by non-const pointer
     check(cudaMemPoolImportPointer(&p, pool_, &copy.data), "cudaMemPoolImportPointer");
-    return imported_pointer{p, static_cast<std::size_t>(token.bytes), device_, &live_};
+    return imported_pointer{p, static_cast<std::size_t>(token.bytes), device_, &access_, &live_};
   }
 
   /// The device (in this process) the pool's memory lives on.
   [[nodiscard]] int device() const noexcept { return device_; }
+  /// The devices that may use the memory: device() first, then the importing thread's device
+  /// (when another) and access_from's, each once.
+  [[nodiscard]] const std::vector<int>& access_devices() const noexcept { return access_; }
   [[nodiscard]] const ipc_pool_descriptor& descriptor() const noexcept { return descriptor_; }
   /// Imported pointers alive now.
   [[nodiscard]] long live_imports() const noexcept { return live_.load(); }
@@ -446,6 +465,7 @@ class imported_pool {
  private:
   ipc_pool_descriptor descriptor_;
   int device_ = -1;
+  std::vector<int> access_;  ///< device_ first; what imported_pointer waits for before a free
   cudaMemPool_t pool_ = nullptr;
   std::atomic<long> live_{0};
 };

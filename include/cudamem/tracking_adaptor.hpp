@@ -72,11 +72,21 @@
 //   only for a report). Sequence numbers are counted per thread. Bytes in use are published
 //   to the shared peak once a shard's have moved by peak_slack (one atomic add). No host
 //   memory is allocated per request: a shard's table grows by doubling, and that is all.
+//
+// Parts (detail/adaptors/; each opens with what it owns)
+//   leak_report.hpp       what it reports and how it is told to record: allocation_record,
+//                         leak_report, tracking_options
+//   allocation_table.hpp  the record: per-thread shards of 64-byte entries, recent frees
+//   owner_bias.hpp        the lock the one thread using an adaptor need not take
+//   bytes_in_use.hpp      bytes in use per shard, and the shared peak
+// Here: the adaptor, its hot paths (allocate, and the free a thread makes of its own memory)
+// and its cold ones (frees from other threads, bad frees, reports).
 #pragma once
 
 #include <cudamem/detail/adaptors/adaptor_base.hpp>
 #include <cudamem/detail/adaptors/allocation_table.hpp>
 #include <cudamem/detail/adaptors/bytes_in_use.hpp>
+#include <cudamem/detail/adaptors/leak_report.hpp>
 #include <cudamem/detail/adaptors/owner_bias.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_report.hpp>
@@ -93,88 +103,12 @@
 #include <mutex>
 #include <optional>
 #include <source_location>
-#include <sstream>
 #include <string>
 #include <string_view>
 #include <thread>
 #include <vector>
 
 namespace cudamem {
-
-/// One allocation, as the tracking adaptor saw it made.
-struct allocation_record {
-  void* pointer = nullptr;
-  std::size_t bytes = 0;
-  std::size_t alignment = 0;
-  std::optional<cudaStream_t> stream;  ///< empty: the synchronous form
-  std::source_location site;           ///< where the user asked for it
-  std::thread::id thread;
-  std::optional<std::chrono::nanoseconds> time;  ///< since the adaptor was made, when it
-                                                 ///< records timestamps
-  std::uint64_t sequence = 0;  ///< 0, 1, 2... in the order this thread made its allocations
-
-  /// "1.00 MiB at 0x... (alignment 256) allocated at file:line in `function`, stream 0x...,
-  /// thread ..." and, with a time, ", 1.234 ms after the adaptor was made".
-  [[nodiscard]] std::string to_text() const {
-    std::ostringstream text;
-    text << format_bytes(bytes) << " at " << pointer << " (alignment " << alignment
-         << ") allocated at " << describe_site(site) << ", ";
-    if (stream) {
-      text << "stream " << static_cast<const void*>(*stream);
-    } else {
-      text << "synchronous";
-    }
-    text << ", thread " << thread;
-    if (time) {
-      char ms[32];
-      std::snprintf(ms, sizeof ms, "%.3f",
-                    std::chrono::duration<double, std::milli>(*time).count());
-      text << ", " << ms << " ms after the adaptor was made";
-    }
-    return text.str();
-  }
-
-  /// "file:line in `function`", or "an unknown place" for an empty location.
-  [[nodiscard]] static std::string describe_site(const std::source_location& where) {
-    if (where.file_name() == nullptr || where.file_name()[0] == '\0') {
-      return "an unknown place";
-    }
-    std::string text = std::string(where.file_name()) + ":" + std::to_string(where.line());
-    if (where.function_name() != nullptr && where.function_name()[0] != '\0') {
-      text.append(" in `").append(where.function_name()).append("`");
-    }
-    return text;
-  }
-};
-
-/// The live allocations of a tracking adaptor at one moment.
-struct leak_report {
-  std::string resource;                     ///< the adaptor's name
-  std::vector<allocation_record> leaks;     ///< oldest first
-  std::size_t total_bytes = 0;
-
-  [[nodiscard]] bool empty() const noexcept { return leaks.empty(); }
-
-  /// A header line, then one line per live allocation.
-  [[nodiscard]] std::string to_text() const {
-    std::string text = resource + ": " + std::to_string(leaks.size()) + " live allocation" +
-                       (leaks.size() == 1 ? "" : "s") + " (" + format_bytes(total_bytes) + ")" +
-                       (leaks.empty() ? "." : ":");
-    for (const allocation_record& r : leaks) {
-      text += "\n  " + r.to_text();
-    }
-    return text;
-  }
-};
-
-/// How a tracking_adaptor records.
-struct tracking_options {
-  bool timestamps = false;  ///< record when each allocation was made (costs a tick-counter read)
-  /// How far one shard's bytes in use may move before the shared peak hears of it, when
-  /// threads share the adaptor (see the contract). 0: an exact peak, at one atomic add on a
-  /// shared line per request.
-  std::size_t peak_slack = std::size_t{4} << 20;
-};
 
 class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
  public:

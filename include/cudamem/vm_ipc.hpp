@@ -17,7 +17,7 @@
 //   cudamem::received_fds r = cudamem::receive_fds(socket);
 //   cudamem::imported_vm_block block{std::move(r.fds),
 //                                    r.payload_as<cudamem::vm_block_descriptor>()};
-//   kernel<<<g, b, 0, s.get()>>>(block.span<float>());
+//   kernel<<<g, b, 0, s.get()>>>(block.span<float>());     // on this thread's GPU, whichever
 //   // block's destructor waits for its devices, unmaps, releases the handles and the range.
 //
 // Why. Virtual memory is the one kind of CUDA memory whose physical pages are objects of their
@@ -47,13 +47,18 @@
 // Contract — importer (`imported_vm_block`)
 // - Takes the fds and the descriptor; imports every handle (cuMemImportFromShareableHandle),
 //   reserves one range, maps them side by side, and grants read-write access to the memory's
-//   device and to `options.access_from`. `get()` / `span<T>()` is the block, `bytes()` what the
-//   exporter asked for. The fds are closed once imported.
+//   device, to the importing thread's current device when it is another (importers on any
+//   GPU: a process on GPU 1 maps GPU 0's block and uses it in its kernels as it is), and to
+//   `options.access_from`; `access_devices()` lists them, the memory's own first. `get()` /
+//   `span<T>()` is the block, `bytes()` what the exporter asked for. The fds are closed once
+//   imported.
 // - Errors, nothing left behind on any (handles released, range freed, mappings undone): an fd
-//   that is not open `std::invalid_argument`; a descriptor that does not match its fds (count,
-//   sizes, offset), of an unknown version, or naming a device this process cannot see, a
-//   handle that lives on another device than the descriptor says, or an `access_from` device
-//   with no peer path: `ipc_error` (a std::invalid_argument); driver failures `driver_error`.
+//   that is not open `std::invalid_argument`; a device id in `access_from` that does not exist
+//   `std::out_of_range`; a descriptor that does not match its fds (count, sizes, offset), of an
+//   unknown version, or naming a device this process cannot see, a handle that lives on
+//   another device than the descriptor says, or a current device or `access_from` device with
+//   no peer path to the memory (the error names both devices: at the import, never as a fault
+//   in a kernel later): `ipc_error` (a std::invalid_argument); driver failures `driver_error`.
 // - The destructor waits for the devices with access (cudaDeviceSynchronize: no kernel may
 //   still use the range), unmaps, releases the imported handles and frees the range; failures
 //   go to the error handler. Neither copyable nor movable.
@@ -154,7 +159,9 @@ struct vm_block_export {
 
 /// How to import a block.
 struct imported_vm_options {
-  std::vector<int> access_from{};  ///< other devices of this process that will use the memory
+  /// More devices of this process that will use the memory, besides the importing thread's
+  /// current device (which gets access by itself).
+  std::vector<int> access_from{};
 };
 
 /// Another process's vm block, mapped here; see the contract above.
@@ -164,18 +171,12 @@ class imported_vm_block {
                     imported_vm_options options = {}) {
     const std::size_t total = validate(fds, descriptor);
     device_ = detail::require_device_with_uuid(descriptor.device, "imported_vm_block");
+    // The importing thread's device (when another) and access_from: checked before the import.
+    const std::vector<int> others = detail::import_access("imported_vm_block", device_,
+                                                         options.access_from);
+    access_.reserve(others.size() + 1);
     access_.push_back(device_);
-    for (const int d : options.access_from) {
-      validate_device(d);
-      if (d != device_ && !can_access_peer(d, device_)) {
-        throw ipc_error("imported_vm_block: device " + std::to_string(d) +
-                        " has no peer path to device " + std::to_string(device_) +
-                        ", where the memory lives");
-      }
-      if (std::find(access_.begin(), access_.end(), d) == access_.end()) {
-        access_.push_back(d);
-      }
-    }
+    access_.insert(access_.end(), others.begin(), others.end());
     const detail::driver_api& cu = detail::driver();
     const device_guard on{device_};
     check(cudaFree(nullptr), "creating the primary context");
@@ -250,6 +251,9 @@ class imported_vm_block {
   [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
   /// The device (in this process) the memory lives on.
   [[nodiscard]] int device() const noexcept { return device_; }
+  /// The devices that may use the memory: device() first, then the importing thread's device
+  /// (when another) and access_from's, each once.
+  [[nodiscard]] const std::vector<int>& access_devices() const noexcept { return access_; }
   /// The whole range mapped here (every handle of the block).
   [[nodiscard]] std::size_t mapped_bytes() const noexcept { return mapped_bytes_; }
   /// The block as `bytes() / sizeof(T)` elements of T, for kernels.

@@ -28,14 +28,19 @@
 // - detail/vm/free_ranges.hpp    freed ranges stay mapped and free, merge with neighbours, and
 //                                serve the next request that fits at no driver cost
 // - detail/vm/placement.hpp      which free range a block goes to (best fit), and where in it
+// - detail/vm/live_blocks.hpp    the blocks handed out; taking a fit and freeing a block, in
+//                                stream order
 // - detail/vm/compactor.hpp      when nothing fits: create handles while the device has room;
 //                                then recycle idle handles to the frontier (only what the
-//                                request lacks, smallest free runs first); giving memory back;
-//                                batches of handles made ahead of need
+//                                request lacks, smallest free runs first); giving memory back
+// - detail/vm/grow_ahead.hpp     batches of handles made ahead of need, and the memory held
+//                                ahead that gives way (members of the compactor)
 // - detail/vm/growth_thread.hpp  the thread that makes those batches while the callers work
 //                                (grow_ahead_bytes: a quarter of what is held, up to 4 GiB)
 // - detail/vm/mapping.hpp, driver_mapping.hpp  the device behind one interface (the driver's
 //                                cuMem* calls, or a simulated device for GPU-free tests)
+// - detail/vm/options.hpp, config.hpp  vm_resource_options and vm_resource_stats, and the
+//                                sizes resolved from the options
 // What a move costs, measured (bench_vmm_driver): cuMemMap ~1 µs, and cuMemSetAccess ~23-40 µs
 // *per handle* in the range whatever its size: giving access is paid per handle, not per byte.
 // Hence 64 MiB handles, growth before recycling, moving only what is missing, and stale
@@ -44,7 +49,7 @@
 // (cuMemCreate plus a handle's cuMemSetAccess: ~60 µs), so that a cold fill's driver time
 // runs beside the callers' work rather than in it.
 //
-// Contract (memory_resource.hpp's, plus)
+// Contract (memory_resource.hpp's, plus; the options are in detail/vm/options.hpp)
 // - Construction: `vm_resource(device, options)` throws `no_device_error` with no device,
 //   `std::out_of_range` for a device or peer that does not exist, `vm_not_supported_error` on a
 //   device without VMM (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 0),
@@ -115,14 +120,17 @@
 #pragma once
 
 #include <cudamem/detail/held_ahead.hpp>
-#include <cudamem/detail/spare_nodes.hpp>
 #include <cudamem/detail/vm/address_space.hpp>
 #include <cudamem/detail/vm/compactor.hpp>
+#include <cudamem/detail/vm/config.hpp>
 #include <cudamem/detail/vm/driver_mapping.hpp>
 #include <cudamem/detail/vm/free_ranges.hpp>
+#include <cudamem/detail/vm/grow_ahead.hpp>
 #include <cudamem/detail/vm/growth_thread.hpp>
 #include <cudamem/detail/vm/handle_set.hpp>
+#include <cudamem/detail/vm/live_blocks.hpp>
 #include <cudamem/detail/vm/mapping.hpp>
+#include <cudamem/detail/vm/options.hpp>
 #include <cudamem/detail/vm/placement.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
@@ -141,149 +149,10 @@
 #include <source_location>
 #include <stdexcept>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
 namespace cudamem {
-
-/// grow_ahead_bytes when left unset, over a real device: 4 GiB.
-inline constexpr std::size_t default_grow_ahead_bytes = std::size_t{4} << 30;
-
-/// The least free device memory growth ahead leaves, whatever the device: 2 GiB.
-/// Why. Memory made ahead is a guess. What the floor keeps free is for the rest of the
-/// process, which cannot ask us to give memory back (cuBLAS, NCCL and a framework's own
-/// caching allocator call cudaMalloc, not cudamem: only cudamem's resources ask,
-/// detail/held_ahead.hpp), and whose needs come in the middle of a run, once our pools have
-/// grown. Measured by bench/grow_ahead_floor.cu on the H100 (80 GiB, CUDA 13.0, NCCL 2.28.3),
-/// each step on top of the ones before, as device memory lost:
-/// - the first launch of a kernel of the program (lazy loading): 140 MiB;
-/// - a kernel needing 4 KiB of stack per thread (the driver grows local memory for every
-///   resident thread, 132 SMs x 2048): 792 MiB; one needing 16 KiB: 3,168 MiB more;
-/// - the device heap at the first in-kernel malloc: 10 MiB;
-/// - cuBLAS, a handle and an SGEMM on each of 8 streams (a framework's): 518 MiB;
-/// - NCCL, a one-rank communicator and its first all-reduce: 494 MiB (more ranks, more
-///   buffers: NCCL documents a few hundred MiB to about 1 GiB per communicator on 8 GPUs).
-/// A training process with all of these but the 16 KiB stack: 1.9 GiB; 2 GiB covers it. A
-/// program whose kernels need tens of KiB of stack per thread sets grow_ahead_floor_bytes
-/// higher (or grow_ahead_bytes to 0): that alone is more than the floor.
-inline constexpr std::size_t grow_ahead_floor_min_bytes = std::size_t{2} << 30;
-
-/// Above that minimum, the floor is this fraction's inverse of the device (1/32): a
-/// framework's caching allocator beside us grows by its largest tensors, and those scale with
-/// the device (2.5 GiB on an 80 GiB H100, 4.4 GiB on a 141 GiB H200).
-inline constexpr std::size_t grow_ahead_floor_device_share = 32;
-
-/// grow_ahead_floor_bytes when left unset: growth ahead leaves at least this much of a device
-/// of `device_total` bytes free (the larger of the two constants above). What it costs: the
-/// last handles of a cold fill of the whole device are made on the allocating thread, as
-/// without growth ahead (on an 80 GiB H100, 2.5 GiB: 40 handles of 64 MiB, of ~1260).
-[[nodiscard]] constexpr std::size_t default_grow_ahead_floor(std::size_t device_total) noexcept {
-  return std::max(grow_ahead_floor_min_bytes, device_total / grow_ahead_floor_device_share);
-}
-
-/// How to build a vm_resource.
-struct vm_resource_options {
-  /// Size of each physical handle: the unit of growth and of recycling (rounded up to the
-  /// granularity). Larger handles cost fewer driver calls per byte (giving access costs ~23 µs
-  /// per handle); smaller ones strand less free memory next to live blocks, and a free hole
-  /// smaller than a handle cannot be recycled. Every handle has this size, the last one too
-  /// (the device's last part-handle is left to the driver; see detail/vm/compactor.hpp).
-  std::size_t handle_bytes = std::size_t{64} << 20;
-  /// Least physical memory a growth creates (when the device has it): fewer, larger batches of
-  /// driver calls. What is not needed yet stays mapped and free for the next request.
-  std::size_t growth_bytes = std::size_t{256} << 20;
-  /// Size of each virtual reservation; 0: four times the device's memory.
-  std::size_t reserve_bytes = 0;
-  /// Reservations it may hold before running out of address space makes it unmap its stale
-  /// aliases (a host wait, then one cuMemUnmap per alias, ~20 µs each, on the allocation path)
-  /// rather than reserve another range (one cuMemAddressReserve, ~80 µs). The default, 8
-  /// reservations of four times the device, is 4.4 TiB of address space for a 139 GiB device:
-  /// far below the 128 TiB a process has, and enough that the bench's traces never sweep.
-  std::size_t reservations_before_sweep = 8;
-  /// Most physical bytes it may hold, used in whole handles (at least one); nullopt: as much
-  /// as the device gives. Below the limit it grows before it recycles; at it, it recycles.
-  std::optional<std::size_t> physical_limit;
-  /// Other devices that get read-write access to its memory.
-  std::vector<int> peers;
-  /// Create physical memory shareable as POSIX file descriptors, so that blocks can be
-  /// exported to other processes (vm_ipc.hpp). A device that cannot throws `cuda_error`
-  /// (cudaErrorNotSupported) from the constructor.
-  bool exportable = false;
-  /// Most free memory to keep mapped ahead of need while the device has room; 0: never. The
-  /// headroom is a quarter of what the resource holds, up to this: after an allocation leaves
-  /// less than that free at the end of what is mapped, a thread of the resource's own (started
-  /// then) creates and maps the next handles, so that the driver's ~60 µs per handle of a cold
-  /// fill runs beside the callers' work instead of in it (bench_fragmentation's mixed trace,
-  /// cold, on an H100: ~0.2-0.4 µs per operation less). So a growing resource holds up to a
-  /// quarter more than it would (never past `physical_limit`), until the device is full or
-  /// release() gives it back. nullopt: `default_grow_ahead_bytes` over a real device, 0 over
-  /// the simulated one (its tests count driver calls). See detail/vm/growth_thread.hpp.
-  std::optional<std::size_t> grow_ahead_bytes;
-  /// Free device memory growth ahead never takes the device below (it asks the device once per
-  /// batch); nullopt: default_grow_ahead_floor(the device's total memory). The resource's own
-  /// growth for a request is not bounded by it (see keep_free_bytes).
-  std::optional<std::size_t> grow_ahead_floor_bytes;
-  /// Free device memory the resource's own growth for a request leaves to the rest of the
-  /// process while its own free memory can serve the request instead; 0 (the default): grow
-  /// while the device has room. Why. Below this, a request that finds no fit recycles free
-  /// handles first (a compaction: the host waits for the frees on them) and creates only what
-  /// recycling cannot give, so the footprint stays near what is in use, and the memory that
-  /// libraries take outside every allocator in the middle of a run (cuDNN's and cuBLAS's
-  /// kernels loaded on first use, the local memory a new kernel needs; the grow_ahead floor's
-  /// comment measures them) is still there. Without it, a resource that has once filled the
-  /// device keeps it full: it recycles what a request lacks, never more. It is not a limit:
-  /// a request that recycling cannot serve still grows into the reserve, as it would without
-  /// it. Growth ahead keeps at least this much free too. Costs one cudaMemGetInfo per growth.
-  std::size_t keep_free_bytes = 0;
-};
-
-/// The physical handles under one block, in address order: they tile
-/// [address - offset, address - offset + sum of their bytes). See vm_resource::block_handles.
-struct vm_block_handles {
-  std::uintptr_t address = 0;  ///< the block's start
-  std::size_t bytes = 0;       ///< the block's size as placed (granule multiple)
-  std::size_t requested = 0;   ///< what its caller asked for
-  std::size_t offset = 0;      ///< from the first handle's start to the block's start
-  std::vector<std::pair<detail::vm_handle, std::size_t>> handles;  ///< handle, its bytes
-};
-
-/// What a vm_resource holds, in the terms of virtual memory.
-struct vm_resource_stats {
-  std::size_t granularity = 0;             ///< mapping granularity (2 MiB on current GPUs)
-  std::size_t handle_bytes = 0;            ///< size of a physical handle
-  std::size_t reserved_virtual_bytes = 0;  ///< address space reserved
-  std::size_t mapped_bytes = 0;            ///< physical memory held
-  std::size_t peak_mapped_bytes = 0;       ///< the most held since construction or
-                                           ///< reset_peak_mapped()
-  std::size_t used_bytes = 0;              ///< in ranges handed out (granule multiples)
-  std::size_t requested_bytes = 0;         ///< what the callers of those ranges asked for
-  std::size_t partial_granule_bytes = 0;   ///< used - requested: waste from partly used
-                                           ///< granules (and handles, for whole-handle ranges)
-  std::size_t peak_used_bytes = 0;
-  std::size_t free_bytes = 0;              ///< mapped, not handed out
-  std::size_t largest_free_range = 0;
-  std::size_t recyclable_bytes = 0;        ///< free bytes in handles with nothing handed out
-  std::size_t stranded_bytes = 0;          ///< free bytes in handles shared with live ranges
-  std::size_t handles = 0;                 ///< physical handles held
-  std::size_t stale_aliases = 0;           ///< retired mappings awaiting release()
-  std::size_t compactions = 0;             ///< times free handles were remapped together
-  std::size_t handles_created = 0;         ///< cuMemCreate calls that succeeded
-  std::size_t maps = 0;                    ///< cuMemMap calls
-  std::size_t access_calls = 0;            ///< cuMemSetAccess calls
-  std::size_t unmaps = 0;                  ///< cuMemUnmap calls
-  std::size_t handles_created_ahead = 0;   ///< of handles_created: by the growth thread
-  std::size_t held_ahead_bytes = 0;        ///< of free_bytes: whole handles free at the end
-                                           ///< of what is mapped, made ahead of need (by the
-                                           ///< growth thread, or the rest of a growth)
-  std::size_t given_back_ahead_bytes = 0;  ///< held ahead and given back: trim(), and for
-                                           ///< other resources of the process short of memory
-  std::size_t kept_free_compactions = 0;   ///< of compactions: recycled rather than grown
-                                           ///< because growth would have left the device
-                                           ///< less free than keep_free_bytes
-  bool growth_ahead_held_back = false;     ///< growth ahead waits for a growth of its own
-                                           ///< (after a give-back, or at the floor)
-};
 
 /// Device memory over a virtual address range; see the contract above.
 class vm_resource final : public memory_resource, private detail::held_ahead_holder {
@@ -302,6 +171,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
         config_(make_config(layer_.get(), options_)),
         space_(config_.reservation),
         compactor_(*layer_, config_, free_, handles_, space_),
+        blocks_(*layer_, config_, free_, handles_),
         grow_ahead_bytes_(options_.grow_ahead_bytes.value_or(
             layer_->device() >= 0 ? default_grow_ahead_bytes : 0)) {
     if (grow_ahead_bytes_ != 0) {
@@ -323,9 +193,9 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
       ahead_->stop();  // its batch in flight is published first, then released below
     }
     const std::lock_guard lock(mutex_);
-    if (!live_.empty()) {
-      report_problem("vm_resource destroyed with " + std::to_string(live_.size()) +
-                     " range(s) (" + format_bytes(used_bytes_) +
+    if (blocks_.count() != 0) {
+      report_problem("vm_resource destroyed with " + std::to_string(blocks_.count()) +
+                     " range(s) (" + format_bytes(blocks_.used_bytes()) +
                      ") still allocated; their memory is released anyway");
     }
     compactor_.release_all();
@@ -377,11 +247,11 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
     s.reserved_virtual_bytes = space_.reserved_bytes();
     s.mapped_bytes = handles_.mapped_bytes;
     s.peak_mapped_bytes = handles_.mapped_bytes.peak();
-    s.used_bytes = used_bytes_;
-    s.requested_bytes = requested_bytes_;
-    s.partial_granule_bytes = used_bytes_ - requested_bytes_;
-    s.peak_used_bytes = peak_used_bytes_;
-    s.free_bytes = handles_.mapped_bytes - used_bytes_;
+    s.used_bytes = blocks_.used_bytes();
+    s.requested_bytes = blocks_.requested_bytes();
+    s.partial_granule_bytes = s.used_bytes - s.requested_bytes;
+    s.peak_used_bytes = blocks_.peak_used_bytes();
+    s.free_bytes = handles_.mapped_bytes - s.used_bytes;
     s.largest_free_range = free_.largest();
     s.recyclable_bytes = compactor_.recyclable_bytes();
     s.stranded_bytes = s.free_bytes - s.recyclable_bytes;
@@ -428,19 +298,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
           "cudamem::vm_resource::block_handles: the resource was not made exportable "
           "(vm_resource_options::exportable)");
     }
-    const auto address = reinterpret_cast<std::uintptr_t>(p);
-    const auto live = live_.find(address);
-    if (live == live_.end()) {
-      throw std::invalid_argument(
-          "cudamem::vm_resource::block_handles: not the start of a live block of this resource "
-          "(a pointer it never gave, or one already freed)");
-    }
-    vm_block_handles out;
-    out.address = address;
-    out.bytes = live->second.bytes;
-    out.requested = live->second.requested;
-    out.offset = handles_.handles_under(address, out.bytes, out.handles);
-    return out;
+    return blocks_.handles_of(reinterpret_cast<std::uintptr_t>(p));
   }
 
   /// The handles under [p, p + bytes), any part of memory it has mapped and handed out (a
@@ -494,11 +352,6 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
   [[nodiscard]] detail::vm_mapping_layer& mapping_layer() const noexcept { return *layer_; }
 
  private:
-  struct live_range {
-    std::size_t bytes;      ///< granule multiple
-    std::size_t requested;  ///< what the caller asked for
-  };
-
   /// The config of `options` over `layer`, the floor of growth ahead resolved.
   static detail::vm_config make_config(const detail::vm_mapping_layer* layer,
                                        const vm_resource_options& options) {
@@ -538,8 +391,8 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
     const std::lock_guard lock(mutex_);
     resource_stats s;
     s.reserved_bytes = handles_.mapped_bytes;
-    s.used_bytes = used_bytes_;
-    s.peak_used_bytes = peak_used_bytes_;
+    s.used_bytes = blocks_.used_bytes();
+    s.peak_used_bytes = blocks_.peak_used_bytes();
     s.free_blocks = free_.count();
     s.largest_free_block = free_.largest();
     if (const auto capacity = layer_->simulated_capacity()) {
@@ -567,7 +420,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
                                                                  granule),
                                granule};
     std::unique_lock lock(mutex_);
-    if (void* p = take_fit(r, bytes, stream, sync)) {
+    if (void* p = blocks_.take_fit(r, bytes, stream, sync)) {
       return grew_ahead(lock, p);
     }
     std::size_t given_back = 0;  // by the other vm_resources of the process (below)
@@ -578,7 +431,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
       // where the thread's batch goes (make_room runs only once the thread is idle).
       while (ahead_ && ahead_->busy()) {
         ahead_->wait_next_step(lock);
-        if (void* p = take_fit(r, bytes, stream, sync)) {
+        if (void* p = blocks_.take_fit(r, bytes, stream, sync)) {
           return grew_ahead(lock, p);
         }
       }
@@ -587,8 +440,8 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
       // compaction (detail/vm/compactor.hpp).
       cause.clear();
       if (compactor_.make_room(r.needed, r.whole, cause,
-                               [&] { return settle_run(r, stream, sync); })) {
-        if (void* p = take_fit(r, bytes, stream, sync)) {
+                               [&] { return blocks_.settle_run(r, stream, sync); })) {
+        if (void* p = blocks_.take_fit(r, bytes, stream, sync)) {
           return grew_ahead(lock, p);
         }
       }
@@ -612,35 +465,6 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
                " held ahead of need first";
     }
     throw_out_of_memory(*this, bytes, alignment, "vm_resource: " + cause);
-  }
-
-  /// The best-fitting free range for `r` (detail/vm/placement.hpp), carved and made ready for
-  /// `stream` (null with sync: for everyone); nullptr when none fits.
-  void* take_fit(const detail::vm_request& r, std::size_t requested, cudaStream_t stream,
-                 bool sync) {
-    const auto fit = detail::best_fit(free_, handles_, r, sync);
-    if (!fit) {
-      return nullptr;
-    }
-    auto node = free_.find(fit->range);
-    if (!node->second.complete) {
-      if (sync) {
-        const cudaStream_t freed_on = node->second.stream;
-        layer_->wait_for_free(freed_on);
-        free_.mark_complete(freed_on);  // the host waited: all freed on it is idle, remnants too
-        node = free_.containing(fit->spot.start);  // it may have merged with its neighbours
-      } else if (node->second.stream != stream) {
-        layer_->order_after_free(stream, node->second.stream);
-      }
-    }
-    const std::size_t bytes = fit->spot.end - fit->spot.start;
-    // May throw (no host memory): nothing has changed yet.
-    spare_live_.insert(live_, fit->spot.start, live_range{bytes, requested});
-    free_.carve(node, fit->spot.start, fit->spot.end);
-    used_bytes_ += bytes;
-    requested_bytes_ += requested;
-    peak_used_bytes_ = std::max(peak_used_bytes_, used_bytes_);
-    return reinterpret_cast<void*>(fit->spot.start);
   }
 
   /// After an allocation (`p`): wakes the growth thread when too little is left mapped ahead.
@@ -688,51 +512,10 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
     }
   }
 
-  /// No free range holds `r`, growth cannot give it, but adjacent ranges freed on different
-  /// streams may hold it together (detail/vm/placement.hpp, best_run): the host waits for
-  /// their streams, all but one (the request's own, if it is one: stream order covers it), and
-  /// they merge. True if they now hold it.
-  bool settle_run(const detail::vm_request& r, cudaStream_t stream, bool sync) {
-    const auto run = detail::best_run(free_, handles_, r);
-    if (!run) {
-      return false;
-    }
-    std::vector<cudaStream_t> pending = free_.pending_streams(run->start, run->end);
-    if (!sync && !pending.empty()) {
-      const auto own = std::find(pending.begin(), pending.end(), stream);
-      pending.erase(own != pending.end() ? own : pending.end() - 1);  // ordered on the device
-    }
-    for (const cudaStream_t s : pending) {
-      layer_->wait_for_free(s);
-      free_.mark_complete(s);
-    }
-    return detail::best_fit(free_, handles_, r).has_value();
-  }
-
   void free_range_at(void* p, std::size_t bytes, cudaStream_t stream, bool sync) noexcept {
     try {
       const std::lock_guard lock(mutex_);
-      const auto address = reinterpret_cast<std::uintptr_t>(p);
-      const auto it = live_.find(address);
-      if (it == live_.end()) {
-        report_problem("vm_resource: deallocate of a pointer it did not allocate, or already freed");
-        return;
-      }
-      const live_range range = it->second;
-      const std::size_t granule = config_.granule;
-      if (detail::vm_config::round_up(bytes, granule) !=
-          detail::vm_config::round_up(range.requested, granule)) {
-        report_problem("vm_resource: deallocate with " + std::to_string(bytes) +
-                       " bytes of a range allocated with " + std::to_string(range.requested) +
-                       "; freeing the allocated range");
-      }
-      if (!sync) {
-        layer_->record_free(stream, address, range.bytes);  // throws: the range stays live
-      }
-      spare_live_.erase(live_, it);  // its node records the next block: no allocation
-      used_bytes_ -= range.bytes;
-      requested_bytes_ -= range.requested;
-      free_.insert(address, {range.bytes, stream, sync});
+      blocks_.free(reinterpret_cast<std::uintptr_t>(p), bytes, stream, sync);
     } catch (const cuda_error& e) {
       report_error(e.code(), std::string(e.what()) + " (the range is kept: it may still be in use)");
     } catch (const std::exception& e) {
@@ -749,12 +532,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
   detail::handle_set handles_;
   detail::address_space space_;
   detail::vm_compactor compactor_;
-  using live_map = std::unordered_map<std::uintptr_t, live_range>;
-  live_map live_;
-  detail::spare_nodes<live_map> spare_live_;  ///< records of freed blocks, for the next ones
-  std::size_t used_bytes_ = 0;
-  std::size_t requested_bytes_ = 0;
-  std::size_t peak_used_bytes_ = 0;
+  detail::vm_live_blocks blocks_;
   std::size_t grow_ahead_bytes_;  ///< options_.grow_ahead_bytes, resolved
   std::unique_ptr<detail::growth_thread> ahead_;  ///< grow_ahead_bytes; last: stopped first
 };

@@ -155,6 +155,9 @@ TEST_CASE("imported_pool: bad input in the importing process is a typed error") 
   CHECK_THROWS_AS(imported_pool(unique_fd{::dup(shared.fd.get())}, shared.descriptor,
                                 {.access_from = {device_count()}}),
                   std::out_of_range);
+  CHECK_THROWS_AS(imported_pool(unique_fd{::dup(shared.fd.get())}, shared.descriptor,
+                                {.access_from = {-1}}),
+                  std::out_of_range);
   CHECK(shared.fd);  // the exporter's copy is untouched by the failures
 }
 
@@ -172,6 +175,8 @@ TEST_CASE("a pool allocation shared with another process: both see the other's w
     CHECK(r.step == step_imported);
     CHECK(r.good_elements == x.size());  // the child saw the 7s
     CHECK(r.device == static_cast<std::uint32_t>(device));
+    CHECK(r.kernel_device == static_cast<std::uint32_t>(device));
+    CHECK(r.access_devices == 1u << device);  // its current device is the memory's: no more
     CHECK(child.wait() == 0);             // and unmapped before exiting
     pinned_buffer<int> h(x.size());
     copy(h, x, s);
@@ -274,6 +279,10 @@ TEST_CASE("export_block and imported_vm_block: bad input is a typed error, befor
   d = shared.descriptor;
   d.device[3] ^= 0x33;
   CHECK_THROWS_AS(imported_vm_block(copies(), d), ipc_error);  // a device not visible here
+  for (const int bad_id : {-1, device_count()}) {
+    CHECK_THROWS_AS(imported_vm_block(copies(), shared.descriptor, {.access_from = {bad_id}}),
+                    std::out_of_range);
+  }
   std::vector<unique_fd> with_closed = copies();
   int closed = 900;
   while (::fcntl(closed, F_GETFD) != -1) {
@@ -302,6 +311,8 @@ TEST_CASE("a vm block shared with another process: both see the other's writes")
     CHECK(r.step == step_imported);
     CHECK(r.good_elements == count);
     CHECK(r.device == static_cast<std::uint32_t>(device));
+    CHECK(r.kernel_device == static_cast<std::uint32_t>(device));
+    CHECK(r.access_devices == 1u << device);
     CHECK(child.wait() == 0);
     CHECK(count_equal_at(p, count, 8) == count);
     vm.deallocate(p, count * sizeof(int));

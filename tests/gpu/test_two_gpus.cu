@@ -2,7 +2,10 @@
 // driving both devices through per-device resources; buffers, streams and events made on one
 // device and thread and destroyed on another with the other device current; peer_access's
 // reference counting and its respect for access enabled by someone else; copies between
-// devices, ordered after the other device's stream; vm_pool memory mapped for a peer.
+// devices, ordered after the other device's stream; vm_pool memory mapped for a peer; memory
+// shared with another process whose GPU is the other one (ipc_pool.hpp, vm_ipc.hpp: the
+// importer's device gets access by itself, its kernel there reads and writes the memory, it is
+// killed mid-use, and the data and every byte of both devices come back).
 #include <cudamem/copy.hpp>
 #include <cudamem/current_resource.hpp>
 #include <cudamem/device_buffer.hpp>
@@ -12,6 +15,7 @@
 #include <cudamem/pinned_buffer.hpp>
 #include <cudamem/stream.hpp>
 #include <cudamem/fd_passing.hpp>
+#include <cudamem/ipc_pool.hpp>
 #include <cudamem/vm_ipc.hpp>
 #include <cudamem/vm_pool_resource.hpp>
 #include <cudamem/vm_resource.hpp>
@@ -23,6 +27,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <mutex>
 #include <string>
 #include <stdexcept>
@@ -480,4 +485,229 @@ TEST_CASE("a vm handle from another device than its descriptor says: ipc_error i
   CHECK((r.passed & cudamem_test::check_other_device) != 0);
   CHECK(child.wait() == 0);
   on_1.deallocate(p, 64 * MiB);
+}
+
+// --- importers on the other GPU (ipc_pool.hpp, vm_ipc.hpp) ----------------------------------------
+
+namespace {
+
+using cudamem_test::child_process;
+using cudamem_test::child_report;
+
+constexpr std::size_t tolerance = 32 * MiB;  // what the driver's own bookkeeping may move
+
+/// `device`'s free memory once everything submitted to it has finished.
+std::size_t free_memory(int device) {
+  const device_guard on{device};
+  check(cudaDeviceSynchronize());
+  return device_memory(device).free;
+}
+
+/// Polls until `device`'s free memory is back within `tolerance` of `baseline` (the driver tears
+/// a finished or killed process's context down asynchronously); returns the last reading.
+std::size_t wait_for_free_memory(int device, std::size_t baseline) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds{30};
+  std::size_t now = free_memory(device);
+  while (now + tolerance < baseline && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds{100});
+    now = free_memory(device);
+  }
+  return now;
+}
+
+/// Both devices' free memory came back to `baseline` (see wait_for_free_memory).
+void check_nothing_lost(const std::size_t (&baseline)[2]) {
+  for (const int d : {0, 1}) {
+    const std::size_t after = wait_for_free_memory(d, baseline[d]);
+    INFO("device " << d << ": free before " << baseline[d] << ", after " << after);
+    CHECK(after + tolerance >= baseline[d]);
+  }
+}
+
+child_report read_report(const child_process& child) {
+  return receive_fds(child.socket(), 60'000).payload_as<child_report>();
+}
+
+/// The pool and one pointer of it, sent to the child as an application would.
+void send_pool_and_pointer(const child_process& child, const ipc_pool_resource& pool,
+                           const void* p) {
+  const ipc_pool_export shared = pool.export_pool();
+  send_fds(child.socket(), {shared.fd.get()}, as_bytes_of(shared.descriptor));
+  const ipc_pointer token = pool.export_pointer(p);
+  send_fds(child.socket(), std::span<const int>{}, as_bytes_of(token));
+}
+
+/// The block at `p` of `vm`, sent to the child; our copies of its fds close on return.
+void send_block(const child_process& child, const vm_resource& vm, const void* p) {
+  const vm_block_export shared = export_block(vm, p);
+  send_fds(child.socket(), shared.fd_numbers(), as_bytes_of(shared.descriptor));
+}
+
+std::size_t count_equal_at(const void* p, std::size_t count, int value) {
+  std::vector<int> host(count);
+  check(cudaMemcpy(host.data(), p, count * sizeof(int), cudaMemcpyDefault));
+  return static_cast<std::size_t>(std::count(host.begin(), host.end(), value));
+}
+
+/// Where the memory lives, which device the importing process has current, and where its
+/// kernel runs (another than the current one: passed in access_from).
+struct import_case {
+  int memory;
+  int current;
+  int kernel;
+};
+
+// The natural program first: the importer runs on the other GPU and asks for nothing. Then
+// the same the other way round, and access_from adding a device beside the current one.
+constexpr import_case import_cases[] = {{0, 1, 1}, {1, 0, 0}, {0, 0, 1}};
+
+std::uint32_t bit(int device) { return 1u << device; }
+
+/// What the child reports when its import is refused for want of a peer path (the devices
+/// cannot reach each other): the error named both devices.
+void check_refused(const child_report& r) {
+  CHECK(r.step == cudamem_test::step_refused);
+  CHECK((r.passed & cudamem_test::check_no_peer_path) != 0);
+}
+
+}  // namespace
+
+TEST_CASE("ipc_pool: an importer on the other GPU gets access by itself; its kernel there "
+          "reads and writes the memory") {
+  constexpr std::size_t n = 64 * MiB / sizeof(int);
+  for (const import_case& c : import_cases) {
+    INFO("memory on device " << c.memory << ", importer's device " << c.current
+                             << ", its kernel on device " << c.kernel);
+    const std::size_t baseline[2] = {free_memory(0), free_memory(1)};
+    const bool reachable = can_access_peer(c.current, c.memory) &&
+                           can_access_peer(c.kernel, c.memory);
+    {
+      stream s{{.device = c.memory, .non_blocking = true}};
+      ipc_pool_resource pool{{.device = c.memory}};
+      device_buffer<int> x(n, 7, s, pool);
+      s.synchronize();  // the importer must not see the memory before its fill is done
+      child_process child{CUDAMEM_IPC_CHILD, {"pool-read", "7", std::to_string(c.current),
+                                              std::to_string(c.kernel)}};
+      send_pool_and_pointer(child, pool, x.data());
+      const child_report r = read_report(child);
+      CHECK(child.wait() == 0);  // and unmapped before exiting
+      if (!reachable) {
+        check_refused(r);
+      } else {
+        REQUIRE(r.step == cudamem_test::step_imported);
+        CHECK(r.device == static_cast<std::uint32_t>(c.memory));
+        CHECK(r.kernel_device == static_cast<std::uint32_t>(c.kernel));
+        CHECK(r.access_devices == (bit(c.memory) | bit(c.current) | bit(c.kernel)));
+        CHECK(r.good_elements == n);  // it read the 7s with its own device current
+        pinned_buffer<int> h(n);
+        copy(h, x, s);
+        s.synchronize();
+        CHECK(count_equal(h, 8) == n);  // its kernel on the other GPU added one everywhere
+      }
+    }  // x freed, the pool destroyed: its memory goes back to the device
+    check_nothing_lost(baseline);
+  }
+}
+
+TEST_CASE("ipc_pool: the importer on the other GPU killed mid-use (its kernel writing the "
+          "memory); the data is the exporter's and nothing is lost") {
+  if (!can_access_peer(1, 0)) {
+    WARN("device 1 cannot reach device 0's memory: the refusal is checked by the case above");
+    return;
+  }
+  constexpr std::size_t bytes = 256 * MiB;
+  const std::size_t baseline[2] = {free_memory(0), free_memory(1)};
+  {
+    stream s{{.device = 0, .non_blocking = true}};
+    ipc_pool_resource pool{{.device = 0}};
+    device_buffer<int> x(bytes / sizeof(int), 1, s, pool);
+    s.synchronize();
+    child_process child{CUDAMEM_IPC_CHILD, {"pool-hold", "0", "1"}};
+    send_pool_and_pointer(child, pool, x.data());
+    const child_report r = read_report(child);
+    REQUIRE(r.step == cudamem_test::step_busy);  // its kernel on device 1 writes our memory now
+    CHECK(r.kernel_device == 1u);
+    CHECK(r.access_devices == (bit(0) | bit(1)));
+    CHECK(free_memory(0) + bytes <= baseline[0] + tolerance);  // really held
+    CHECK(child.kill() == -SIGKILL);
+    // Still ours, still usable, and no longer written: the child's death took its kernel.
+    fill(x, 5, s);
+    pinned_buffer<int> h(x.size());
+    copy(h, x, s);
+    s.synchronize();
+    CHECK(count_equal(h, 5) == x.size());
+  }
+  check_nothing_lost(baseline);  // device 0: the pool; device 1: the child's context
+}
+
+TEST_CASE("vm_ipc: an importer on the other GPU gets access by itself; its kernel there reads "
+          "and writes the block") {
+  constexpr std::size_t count = 64 * MiB / sizeof(int);
+  for (const import_case& c : import_cases) {
+    INFO("memory on device " << c.memory << ", importer's device " << c.current
+                             << ", its kernel on device " << c.kernel);
+    const std::size_t baseline[2] = {free_memory(0), free_memory(1)};
+    const bool reachable = can_access_peer(c.current, c.memory) &&
+                           can_access_peer(c.kernel, c.memory);
+    {
+      vm_resource_options options;
+      options.exportable = true;
+      vm_resource vm{c.memory, options};
+      // The block is reachable from its own device only: fill and read it with that current.
+      const device_guard on{c.memory};
+      void* p = vm.allocate(count * sizeof(int));
+      std::vector<int> host(count, 7);
+      check(cudaMemcpy(p, host.data(), count * sizeof(int), cudaMemcpyDefault));
+      child_process child{CUDAMEM_IPC_CHILD, {"vm-read", "7", std::to_string(c.current),
+                                              std::to_string(c.kernel)}};
+      send_block(child, vm, p);
+      const child_report r = read_report(child);
+      CHECK(child.wait() == 0);
+      if (!reachable) {
+        check_refused(r);
+      } else {
+        REQUIRE(r.step == cudamem_test::step_imported);
+        CHECK(r.device == static_cast<std::uint32_t>(c.memory));
+        CHECK(r.kernel_device == static_cast<std::uint32_t>(c.kernel));
+        CHECK(r.access_devices == (bit(c.memory) | bit(c.current) | bit(c.kernel)));
+        CHECK(r.good_elements == count);
+        CHECK(count_equal_at(p, count, 8) == count);
+      }
+      vm.deallocate(p, count * sizeof(int));
+    }  // the vm_resource gives every handle back
+    check_nothing_lost(baseline);
+  }
+}
+
+TEST_CASE("vm_ipc: the importer on the other GPU killed mid-use (its kernel writing the "
+          "block); the data is the exporter's and nothing is lost") {
+  if (!can_access_peer(1, 0)) {
+    WARN("device 1 cannot reach device 0's memory: the refusal is checked by the case above");
+    return;
+  }
+  constexpr std::size_t count = 256 * MiB / sizeof(int);
+  const std::size_t baseline[2] = {free_memory(0), free_memory(1)};
+  {
+    vm_resource_options options;
+    options.exportable = true;
+    vm_resource vm{0, options};
+    void* p = vm.allocate(count * sizeof(int));
+    check(cudaMemset(p, 0, count * sizeof(int)));
+    child_process child{CUDAMEM_IPC_CHILD, {"vm-hold", "0", "1"}};
+    send_block(child, vm, p);
+    const child_report r = read_report(child);
+    REQUIRE(r.step == cudamem_test::step_busy);
+    CHECK(r.kernel_device == 1u);
+    CHECK(r.access_devices == (bit(0) | bit(1)));
+    CHECK(free_memory(0) + count * sizeof(int) <= baseline[0] + tolerance);
+    CHECK(child.kill() == -SIGKILL);
+    {
+      const device_guard on{0};
+      check(cudaMemset(p, 0, count * sizeof(int)));  // ours alone again, and no longer written
+    }
+    CHECK(count_equal_at(p, count, 0) == count);
+    vm.deallocate(p, count * sizeof(int));
+    CHECK(vm.release() >= count * sizeof(int));
+  }
+  check_nothing_lost(baseline);
 }

@@ -83,6 +83,7 @@ elseif(MODE STREQUAL "vcpkg")
   file(COPY_FILE ${SOURCE_DIR}/LICENSE ${packages}/share/cudamem/copyright)
   file(COPY_FILE ${SOURCE_DIR}/ports/cudamem/usage ${packages}/share/cudamem/usage)
   packaging_check_installed_tree(${packages} share/cudamem "${SOURCE_DIR};${WORK_DIR}/port-build")
+  packaging_check_no_c_library(${packages})  # the port packages the headers, as it always did
   # vcpkg's toolchain puts installed/<triplet> on CMAKE_PREFIX_PATH; find_package then looks in
   # <prefix>/share/cudamem.
   list(PREPEND prefix_path ${packages})

@@ -192,3 +192,12 @@ function(packaging_run_consumer program name expected_version)
     message(FATAL_ERROR "${name} exited ${rc} but did not print \"${expected}\"")
   endif()
 endfunction()
+
+# A header-only install (the README's, the vcpkg port's) holds no compiled library: the C
+# library and its package config come only with -DCUDAMEM_BUILD_C_API=ON.
+function(packaging_check_no_c_library prefix)
+  file(GLOB_RECURSE compiled ${prefix}/*cudamem_c*)
+  if(compiled)
+    message(FATAL_ERROR "a header-only install holds the C library: ${compiled}")
+  endif()
+endfunction()

@@ -11,6 +11,14 @@
 // memory of its own to the parent and waits to be killed; and vm-wrong-device, for
 // test_two_gpus: a descriptor naming another device than its handles'). Exit 0 when the role ran to
 // its end; anything else prints one line to stderr and exits non-zero.
+//
+// The read and hold roles take two more arguments, for importers on any GPU (test_two_gpus):
+//   ipc_child pool-read VALUE CURRENT [KERNEL]   (pool-hold, vm-read, vm-hold the same)
+// CURRENT is made the current device before the import, as a process that runs on that GPU
+// has it; the kernel runs on KERNEL (default CURRENT), which the import lists in access_from
+// when it is another. Nothing else is asked: the import must give CURRENT access by itself.
+// An import refused for want of a peer path reports step_refused (with check_no_peer_path when
+// the error names both devices) and exits 0.
 #include <cudamem/device.hpp>
 #include <cudamem/device_span.hpp>
 #include <cudamem/error.hpp>
@@ -27,6 +35,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -72,6 +81,45 @@ std::uint64_t count_equal(device_span<int> x, int value) {
 
 void report(const child_report& r) { send_fds(socket_fd, std::span<const int>{}, as_bytes_of(r)); }
 
+/// Where the read and hold roles run (see the header): the device made current before the
+/// import (-1: leave it) and the one the kernel runs on (-1: the current one).
+struct placement {
+  int current = -1;
+  int kernel = -1;
+};
+
+/// Makes `where.current` current and fills in the kernel's device; the access_from the import
+/// needs for it (the kernel's device when it is not the current one).
+std::vector<int> take_place(placement& where) {
+  if (where.current >= 0) {
+    check(cudaSetDevice(where.current), "cudaSetDevice (the importer's GPU)");
+  }
+  where.current = current_device();
+  if (where.kernel < 0) {
+    where.kernel = where.current;
+  }
+  return where.kernel != where.current ? std::vector<int>{where.kernel} : std::vector<int>{};
+}
+
+/// One bit per device in `devices`.
+std::uint32_t bits_of(const std::vector<int>& devices) {
+  std::uint32_t bits = 0;
+  for (const int d : devices) {
+    bits |= 1u << d;
+  }
+  return bits;
+}
+
+/// The report of an import refused with `e`: whether its message names both devices.
+child_report refused(const ipc_error& e, int memory_device, const placement& where) {
+  const std::string text = e.what();
+  const bool both = text.find("device " + std::to_string(where.current)) != std::string::npos &&
+                    text.find("device " + std::to_string(memory_device)) != std::string::npos &&
+                    text.find("no peer path") != std::string::npos;
+  return {step_refused, 0, both ? check_no_peer_path : 0u,
+          static_cast<std::uint32_t>(memory_device), 0, 0};
+}
+
 /// A descriptor number that is not open in this process.
 int closed_fd() {
   for (int fd = 900;; ++fd) {
@@ -81,9 +129,10 @@ int closed_fd() {
   }
 }
 
-/// Starts keep_writing on the memory, waits until it runs, reports busy, waits for SIGKILL.
-[[noreturn]] void hold(device_span<int> x, int device) {
-  const device_guard on{device};
+/// Starts keep_writing on the memory (a kernel on `kernel_device`), waits until it runs,
+/// reports busy, waits for SIGKILL.
+[[noreturn]] void hold(device_span<int> x, int device, int kernel_device, std::uint32_t access) {
+  const device_guard on{kernel_device};
   cudaStream_t s = nullptr;
   check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
   keep_writing<<<64, 256, 0, s>>>(x, 120'000'000'000ULL);  // 120 s
@@ -93,7 +142,8 @@ int closed_fd() {
     std::exit(12);
   }
   static_cast<void>(cudaGetLastError());
-  report({step_busy, 0, 0, static_cast<std::uint32_t>(device)});
+  report({step_busy, 0, 0, static_cast<std::uint32_t>(device),
+          static_cast<std::uint32_t>(kernel_device), access});
   for (;;) {
     ::pause();  // until the parent kills us, mid-use
   }
@@ -101,7 +151,15 @@ int closed_fd() {
 
 // --- memory pools ------------------------------------------------------------------------------
 
-int pool_role(const std::string& role, int value) {
+/// Adds one to every element with a kernel on `kernel_device`, and waits for it.
+void add_one_on(device_span<int> x, int kernel_device) {
+  const device_guard on{kernel_device};
+  add_one<<<static_cast<unsigned>((x.size() + 255) / 256), 256>>>(x);
+  check(cudaGetLastError(), "launching add_one");
+  check(cudaDeviceSynchronize(), "add_one");
+}
+
+int pool_role(const std::string& role, int value, placement where) {
   received_fds shared = receive_fds(socket_fd, timeout_ms);
   if (shared.fds.size() != 1) {
     std::fprintf(stderr, "ipc_child: expected one pool descriptor, got %zu\n", shared.fds.size());
@@ -146,20 +204,27 @@ int pool_role(const std::string& role, int value) {
     return 0;
   }
 
-  imported_pool pool{std::move(shared.fds[0]), descriptor};
+  imported_pool_options options;
+  options.access_from = take_place(where);
+  std::optional<imported_pool> imported;
+  try {
+    imported.emplace(std::move(shared.fds[0]), descriptor, options);
+  } catch (const ipc_error& e) {
+    const std::optional<int> memory_device = detail::device_with_uuid(descriptor.device);
+    report(refused(e, memory_device.value_or(-1), where));
+    return 0;
+  }
+  imported_pool& pool = *imported;
   imported_pointer p = pool.import(token);
   const device_span<int> x = p.span<int>();
+  const std::uint32_t access = bits_of(pool.access_devices());
   if (role == "pool-hold") {
-    hold(x, p.device());
+    hold(x, p.device(), where.kernel, access);
   }
-  const std::uint64_t good = count_equal(x, value);
-  {
-    const device_guard on{p.device()};
-    add_one<<<static_cast<unsigned>((x.size() + 255) / 256), 256>>>(x);
-    check(cudaGetLastError(), "launching add_one");
-    check(cudaDeviceSynchronize(), "add_one");
-  }
-  report({step_imported, good, 0, static_cast<std::uint32_t>(p.device())});
+  const std::uint64_t good = count_equal(x, value);  // read with the importer's device current
+  add_one_on(x, where.kernel);
+  report({step_imported, good, 0, static_cast<std::uint32_t>(p.device()),
+          static_cast<std::uint32_t>(where.kernel), access});
   return 0;  // p, then pool: unmapped, import closed
 }
 
@@ -168,7 +233,7 @@ int pool_role(const std::string& role, int value) {
 /// A descriptor number that is open, for the checks that must get past "is it open".
 unique_fd dup_of(const unique_fd& fd) { return unique_fd{::fcntl(fd.get(), F_DUPFD_CLOEXEC, 0)}; }
 
-int vm_role(const std::string& role, int value) {
+int vm_role(const std::string& role, int value, placement where) {
   if (role == "vm-export") {
     // The exporter this time: a block of our own, filled with VALUE, sent to the parent; then
     // we wait to be killed (the exporter dying first).
@@ -241,19 +306,26 @@ int vm_role(const std::string& role, int value) {
             passed, static_cast<std::uint32_t>(good.device())});
     return 0;
   }
-  imported_vm_block block{std::move(shared.fds), descriptor};
+  imported_vm_options options;
+  options.access_from = take_place(where);
+  std::optional<imported_vm_block> imported;
+  try {
+    imported.emplace(std::move(shared.fds), descriptor, options);
+  } catch (const ipc_error& e) {
+    const std::optional<int> memory_device = detail::device_with_uuid(descriptor.device);
+    report(refused(e, memory_device.value_or(-1), where));
+    return 0;
+  }
+  const imported_vm_block& block = *imported;
   const device_span<int> x = block.span<int>();
+  const std::uint32_t access = bits_of(block.access_devices());
   if (role == "vm-hold") {
-    hold(x, block.device());
+    hold(x, block.device(), where.kernel, access);
   }
-  const std::uint64_t good = count_equal(x, value);
-  {
-    const device_guard on{block.device()};
-    add_one<<<static_cast<unsigned>((x.size() + 255) / 256), 256>>>(x);
-    check(cudaGetLastError(), "launching add_one");
-    check(cudaDeviceSynchronize(), "add_one");
-  }
-  report({step_imported, good, 0, static_cast<std::uint32_t>(block.device())});
+  const std::uint64_t good = count_equal(x, value);  // read with the importer's device current
+  add_one_on(x, where.kernel);
+  report({step_imported, good, 0, static_cast<std::uint32_t>(block.device()),
+          static_cast<std::uint32_t>(where.kernel), access});
   return 0;  // block: unmapped, handles released
 }
 
@@ -262,16 +334,19 @@ int vm_role(const std::string& role, int value) {
 int main(int argc, char** argv) {
   const std::string role = argc > 1 ? argv[1] : "";
   const int value = argc > 2 ? std::atoi(argv[2]) : 0;
+  placement where;
+  where.current = argc > 3 ? std::atoi(argv[3]) : -1;
+  where.kernel = argc > 4 ? std::atoi(argv[4]) : -1;
   try {
     if (::fcntl(socket_fd, F_GETFD) == -1) {
       std::fprintf(stderr, "ipc_child: no socket on fd %d (start it from test_ipc)\n", socket_fd);
       return 2;
     }
     if (role.rfind("pool-", 0) == 0) {
-      return pool_role(role, value);
+      return pool_role(role, value, where);
     }
     if (role.rfind("vm-", 0) == 0) {
-      return vm_role(role, value);
+      return vm_role(role, value, where);
     }
     std::fprintf(stderr, "ipc_child: unknown role '%s'\n", role.c_str());
     return 2;

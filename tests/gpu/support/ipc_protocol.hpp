@@ -12,6 +12,8 @@ struct child_report {
   std::uint64_t good_elements = 0;  ///< elements that held what the parent wrote
   std::uint32_t passed = 0;       ///< bad-input roles: one bit per check that behaved
   std::uint32_t device = 0;       ///< the device the child's import lives on (its ordinal)
+  std::uint32_t kernel_device = 0;   ///< the device the child's kernel ran on (read, hold roles)
+  std::uint32_t access_devices = 0;  ///< one bit per device with access to the child's import
 };
 
 /// Steps the child reports.
@@ -20,6 +22,7 @@ enum child_step : std::uint32_t {
   step_busy = 2,      ///< a kernel is running on the imported memory (hold roles)
   step_checked = 3,   ///< bad-input checks done (bad roles)
   step_exported = 4,  ///< the child exported memory for the parent (export roles)
+  step_refused = 5,   ///< the import was refused: no peer path (passed: check_no_peer_path)
 };
 
 /// Bits of child_report::passed for the bad-input roles.
@@ -29,6 +32,8 @@ enum bad_input_check : std::uint32_t {
   check_closed_fd = 1u << 2,       ///< a closed descriptor: std::invalid_argument
   check_other_device = 1u << 3,    ///< a descriptor naming a device not visible: ipc_error
   check_mismatch = 1u << 4,        ///< handles that do not match their descriptor: ipc_error
+  check_no_peer_path = 1u << 5,    ///< an importer's device cannot reach the memory: ipc_error
+                                   ///< naming both devices
 };
 
 }  // namespace cudamem_test

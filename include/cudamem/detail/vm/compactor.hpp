@@ -51,9 +51,15 @@
 // Not thread-safe: vm_resource's mutex guards it and every part it works on. The one
 // exception is make_ahead, which calls only the layer (whose calls may run beside the other
 // threads' record_free and the like) and touches only its batch.
+//
+// The class declares its whole surface here; the growth-ahead members (plan_ahead, make_ahead,
+// publish_ahead, release_tail and the tests before them) are defined in
+// detail/vm/grow_ahead.hpp, which vm_resource.hpp includes. The sizes it works with, and the
+// call counts, are detail/vm/config.hpp.
 #pragma once
 
 #include <cudamem/detail/vm/address_space.hpp>
+#include <cudamem/detail/vm/config.hpp>
 #include <cudamem/detail/vm/free_ranges.hpp>
 #include <cudamem/detail/vm/handle_set.hpp>
 #include <cudamem/detail/vm/mapping.hpp>
@@ -65,69 +71,10 @@
 #include <cstdint>
 #include <exception>
 #include <optional>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 namespace cudamem::detail {
-
-/// The sizes and limits vm_resource works with, fixed at construction.
-struct vm_config {
-  std::size_t granule = 0;                    ///< mapping granularity
-  std::size_t handle = 0;                     ///< bytes of a handle, a granule multiple
-  std::size_t growth = 0;                     ///< least bytes a growth creates
-  std::size_t limit = ~std::size_t{0};        ///< most physical bytes (physical_limit)
-  std::size_t reservation = 0;                ///< bytes of one address-space reservation
-  std::size_t reservations_before_sweep = 0;
-  std::size_t ahead_floor = 0;  ///< free device memory growth ahead leaves (resolved option)
-  std::size_t keep_free = 0;    ///< free device memory growth for a request leaves if it can
-
-  /// The config of a vm_resource with options `o` (a vm_resource_options) over `layer`;
-  /// throws std::invalid_argument for a null layer or options no resource can work with.
-  template <class Options>
-  [[nodiscard]] static vm_config from(const vm_mapping_layer* layer, const Options& o) {
-    if (layer == nullptr) {
-      throw std::invalid_argument("cudamem::vm_resource: null mapping layer");
-    }
-    if (o.handle_bytes == 0) {
-      throw std::invalid_argument("cudamem::vm_resource: handle_bytes must not be 0");
-    }
-    if (o.reservations_before_sweep == 0) {
-      throw std::invalid_argument(
-          "cudamem::vm_resource: reservations_before_sweep must not be 0");
-    }
-    vm_config c;
-    c.granule = layer->granularity();
-    c.handle = round_up(o.handle_bytes, c.granule);
-    if (o.physical_limit && *o.physical_limit < c.handle) {
-      throw std::invalid_argument(
-          "cudamem::vm_resource: physical_limit is smaller than one handle (" +
-          std::to_string(c.handle) + " bytes): it could never map anything");
-    }
-    c.growth = o.growth_bytes;
-    c.limit = o.physical_limit.value_or(~std::size_t{0});
-    c.reservation =
-        round_up(o.reserve_bytes != 0 ? o.reserve_bytes : 4 * layer->device_total(), c.granule);
-    c.reservations_before_sweep = o.reservations_before_sweep;
-    return c;
-  }
-
-  [[nodiscard]] static constexpr std::size_t round_up(std::size_t n, std::size_t unit) noexcept {
-    return (n + unit - 1) / unit * unit;
-  }
-};
-
-/// What the driver was asked to do (vm_stats reports these).
-struct vm_call_counts {
-  std::size_t compactions = 0;
-  std::size_t handles_created = 0;
-  std::size_t maps = 0;
-  std::size_t access_calls = 0;
-  std::size_t unmaps = 0;
-  std::size_t handles_created_ahead = 0;  ///< of handles_created: by the growth thread
-  std::size_t bytes_given_back_ahead = 0;  ///< by release_tail (trim, or for other resources)
-  std::size_t kept_free_compactions = 0;   ///< of compactions: chosen over growth by keep_free
-};
 
 class vm_compactor {
  public:
@@ -255,6 +202,7 @@ class vm_compactor {
   }
 
   // --- growth ahead of need (vm_resource_options::grow_ahead_bytes; growth_thread.hpp) -------
+  // Defined in detail/vm/grow_ahead.hpp.
   //
   // A batch of fresh handles for the frontier, made in three parts so that the driver's calls
   // run with no lock held: plan_ahead (under vm_resource's mutex: how many, and where: the
@@ -279,29 +227,20 @@ class vm_compactor {
   /// The free memory to keep at the frontier: a quarter of what is held, at least a handle,
   /// at most `most` (grow_ahead_bytes). Geometric, as a vector grows: a small footprint holds
   /// little more than it uses, and a fill of the device overlaps the driver from early on.
-  [[nodiscard]] std::size_t headroom(std::size_t most) const noexcept {
-    return std::min(most, std::max(config_.handle, handles_.mapped_bytes / 4));
-  }
+  [[nodiscard]] inline std::size_t headroom(std::size_t most) const noexcept;
 
   /// Whether less than the headroom lies free at the frontier while the device (and the limit)
   /// has room for another handle and growth ahead is not held back (by the floor, or after
   /// giving memory back: until make_room grows for a request): the test after an allocation,
   /// before waking the thread.
-  [[nodiscard]] bool wants_ahead(std::size_t most) {
-    return !handles_.device_full && !ahead_held_back_ &&
-           handles_.mapped_bytes + config_.handle <= config_.limit &&
-           free_at_frontier() < headroom(most);
-  }
+  [[nodiscard]] inline bool wants_ahead(std::size_t most);
 
   /// Whether growth ahead waits for the resource's next growth of its own (see wants_ahead).
   [[nodiscard]] bool ahead_held_back() const noexcept { return ahead_held_back_; }
 
   /// Bytes of the whole handles lying in the free range that ends at the frontier: memory
   /// mapped ahead of need (by the growth thread, or the rest of a growth) that nothing uses.
-  [[nodiscard]] std::size_t tail_bytes() const {
-    const std::uintptr_t start = free_.start_of_range_ending_at(space_.frontier());
-    return start == 0 ? 0 : handles_.bytes_inside(start, space_.frontier());
-  }
+  [[nodiscard]] inline std::size_t tail_bytes() const;
 
   /// Gives back the whole handles of the free range that ends at the frontier (tail_bytes):
   /// waits on the host for frees pending on them (and, if recycling left stale aliases, for
@@ -309,149 +248,25 @@ class vm_compactor {
   /// once its last mapping is gone), unmaps and releases them, and moves the frontier back to
   /// where they began. Growth ahead then waits for the next growth of the resource's own.
   /// Returns the bytes given back.
-  std::size_t release_tail() {
-    ahead_held_back_ = true;
-    const std::uintptr_t start = free_.start_of_range_ending_at(space_.frontier());
-    if (start == 0) {
-      return 0;
-    }
-    const std::size_t bytes = handles_.bytes_inside(start, space_.frontier());
-    if (bytes == 0) {
-      return 0;
-    }
-    if (!handles_.stale.empty()) {
-      wait_and_unmap_stale();
-    }
-    std::uintptr_t lowest = space_.frontier();
-    std::size_t released = 0;
-    for (const moved_handle& h : take_recyclable({{start, space_.frontier(), bytes}})) {
-      layer_.unmap(h.old_address, h.bytes);
-      ++counts_.unmaps;
-      layer_.release(h.handle);
-      released += h.bytes;
-      lowest = std::min(lowest, h.old_address);
-    }
-    handles_.mapped_bytes -= released;
-    counts_.bytes_given_back_ahead += released;
-    space_.retreat_to(lowest);
-    return released;
-  }
+  inline std::size_t release_tail();
 
   /// The next batch: enough handles to bring the free memory at the frontier up to the
   /// headroom, a quarter of it (or a growth, if more) at a time: few cuMemSetAccess calls,
   /// and a thread waiting for the batch waits for little. nullopt when nothing is wanted, or
   /// the device, the limit or the address space has no room (the allocating path deals with
   /// those).
-  [[nodiscard]] std::optional<ahead_batch> plan_ahead(std::size_t most) {
-    if (!wants_ahead(most)) {
-      return std::nullopt;
-    }
-    const std::size_t handle = config_.handle;
-    const std::size_t room = headroom(most);
-    const std::size_t step = std::max(vm_config::round_up(config_.growth, handle),
-                                      vm_config::round_up(room / 4, handle));
-    std::size_t bytes = std::min(vm_config::round_up(room - free_at_frontier(), handle), step);
-    bytes = std::min(bytes, (config_.limit - handles_.mapped_bytes) / handle * handle);
-    if (bytes == 0 || space_.room() < bytes) {
-      return std::nullopt;
-    }
-    ahead_batch b;
-    b.start = space_.frontier();
-    b.handles = bytes / handle;
-    return b;
-  }
+  [[nodiscard]] inline std::optional<ahead_batch> plan_ahead(std::size_t most);
 
   /// Makes the batch: creates its handles (fewer when the device says no, or when more would
   /// leave it less free than the floor: one cudaMemGetInfo per batch), maps them side by side
   /// from its start and gives access with one cuMemSetAccess. Calls the layer and nothing
   /// else: no lock is held. A failure undoes what it made and is kept in `b.error`.
-  void make_ahead(ahead_batch& b) noexcept {
-    const std::size_t handle = config_.handle;
-    std::vector<vm_handle> created;
-    std::size_t mapped = 0;
-    try {
-      // What the device has free now, less the floor (unknown: nothing is made ahead).
-      const std::optional<std::size_t> free = layer_.device_free();
-      const std::size_t above_floor =
-          free && *free > config_.ahead_floor ? (*free - config_.ahead_floor) / handle : 0;
-      if (above_floor < b.handles) {
-        b.handles = above_floor;
-        b.at_floor = true;
-      }
-      created.reserve(b.handles);
-      while (created.size() < b.handles) {
-        const auto h = layer_.create(handle);
-        if (!h) {
-          b.device_full = true;
-          break;
-        }
-        created.push_back(*h);
-        ++b.calls.handles_created;
-      }
-      for (const vm_handle h : created) {
-        layer_.map(b.start + mapped, handle, h);
-        ++b.calls.maps;
-        mapped += handle;
-      }
-      if (mapped != 0) {
-        layer_.set_access(b.start, mapped);
-        ++b.calls.access_calls;
-      }
-      std::size_t offset = 0;
-      for (const vm_handle h : created) {
-        b.made.emplace(b.start + offset, mapped_handle{h, handle});
-        offset += handle;
-      }
-      b.mapped = mapped;
-    } catch (...) {
-      b.error = std::current_exception();
-      b.made.clear();
-      b.mapped = 0;
-      for (std::size_t offset = 0; offset < mapped; offset += handle) {
-        layer_.unmap(b.start + offset, handle);  // never handed out: nothing in flight
-        ++b.calls.unmaps;
-      }
-      for (const vm_handle h : created) {
-        layer_.release(h);
-      }
-    }
-  }
+  inline void make_ahead(ahead_batch& b) noexcept;
 
   /// Adds the batch's calls to the counts and its memory to the frontier as one free range;
   /// rethrows the batch's error, if it had one, once its counts are in. A failure here (no
   /// host memory for the free range's record) undoes the batch and throws; nothing changed.
-  void publish_ahead(ahead_batch& b) {
-    counts_.handles_created += b.calls.handles_created;
-    counts_.maps += b.calls.maps;
-    counts_.access_calls += b.calls.access_calls;
-    counts_.unmaps += b.calls.unmaps;
-    counts_.handles_created_ahead += b.calls.handles_created;
-    handles_.device_full = handles_.device_full || b.device_full;
-    ahead_held_back_ = ahead_held_back_ || b.at_floor;
-    if (b.error) {
-      std::rethrow_exception(b.error);
-    }
-    if (b.made.empty()) {
-      return;
-    }
-    try {
-      if (space_.frontier() != b.start) {
-        throw std::logic_error("vm_resource: the frontier moved while a batch was made ahead");
-      }
-      free_.insert(b.start, {b.mapped, nullptr, true});
-    } catch (...) {
-      for (const auto& [address, h] : b.made) {
-        layer_.unmap(address, h.bytes);
-        ++counts_.unmaps;
-        layer_.release(h.handle);
-      }
-      b.made.clear();
-      throw;
-    }
-    handles_.adopt(b.made);  // moves the nodes: cannot fail
-    handles_.mapped_bytes += b.mapped;
-    space_.advance(b.mapped);
-  }
+  inline void publish_ahead(ahead_batch& b);
 
   /// release(): waits for every recorded free, unmaps every stale alias, and gives every
   /// handle lying wholly in free memory back to the driver; returns the bytes given back.

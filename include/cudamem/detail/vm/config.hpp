@@ -1,0 +1,79 @@
+// cudamem/detail/vm/config.hpp — the sizes and limits a vm_resource works with, fixed at
+// construction from its options (`vm_config`: granule, handle, growth, physical limit,
+// reservation, the floors of growth ahead and of keep_free), checked there; and the count of
+// what the driver was asked to do (`vm_call_counts`, what vm_stats reports).
+//
+//   detail::vm_config c = detail::vm_config::from(layer, options);  // invalid_argument if bad
+//   std::size_t size = detail::vm_config::round_up(bytes, c.granule);
+//
+// Part of vm_resource.hpp, whose contract lists the options' bad values; every other part
+// reads its sizes from here.
+#pragma once
+
+#include <cudamem/detail/vm/mapping.hpp>
+
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+
+namespace cudamem::detail {
+
+/// The sizes and limits vm_resource works with, fixed at construction.
+struct vm_config {
+  std::size_t granule = 0;                    ///< mapping granularity
+  std::size_t handle = 0;                     ///< bytes of a handle, a granule multiple
+  std::size_t growth = 0;                     ///< least bytes a growth creates
+  std::size_t limit = ~std::size_t{0};        ///< most physical bytes (physical_limit)
+  std::size_t reservation = 0;                ///< bytes of one address-space reservation
+  std::size_t reservations_before_sweep = 0;
+  std::size_t ahead_floor = 0;  ///< free device memory growth ahead leaves (resolved option)
+  std::size_t keep_free = 0;    ///< free device memory growth for a request leaves if it can
+
+  /// The config of a vm_resource with options `o` (a vm_resource_options) over `layer`;
+  /// throws std::invalid_argument for a null layer or options no resource can work with.
+  template <class Options>
+  [[nodiscard]] static vm_config from(const vm_mapping_layer* layer, const Options& o) {
+    if (layer == nullptr) {
+      throw std::invalid_argument("cudamem::vm_resource: null mapping layer");
+    }
+    if (o.handle_bytes == 0) {
+      throw std::invalid_argument("cudamem::vm_resource: handle_bytes must not be 0");
+    }
+    if (o.reservations_before_sweep == 0) {
+      throw std::invalid_argument(
+          "cudamem::vm_resource: reservations_before_sweep must not be 0");
+    }
+    vm_config c;
+    c.granule = layer->granularity();
+    c.handle = round_up(o.handle_bytes, c.granule);
+    if (o.physical_limit && *o.physical_limit < c.handle) {
+      throw std::invalid_argument(
+          "cudamem::vm_resource: physical_limit is smaller than one handle (" +
+          std::to_string(c.handle) + " bytes): it could never map anything");
+    }
+    c.growth = o.growth_bytes;
+    c.limit = o.physical_limit.value_or(~std::size_t{0});
+    c.reservation =
+        round_up(o.reserve_bytes != 0 ? o.reserve_bytes : 4 * layer->device_total(), c.granule);
+    c.reservations_before_sweep = o.reservations_before_sweep;
+    return c;
+  }
+
+  [[nodiscard]] static constexpr std::size_t round_up(std::size_t n, std::size_t unit) noexcept {
+    return (n + unit - 1) / unit * unit;
+  }
+};
+
+/// What the driver was asked to do (vm_stats reports these).
+struct vm_call_counts {
+  std::size_t compactions = 0;
+  std::size_t handles_created = 0;
+  std::size_t maps = 0;
+  std::size_t access_calls = 0;
+  std::size_t unmaps = 0;
+  std::size_t handles_created_ahead = 0;  ///< of handles_created: by the growth thread
+  std::size_t bytes_given_back_ahead = 0;  ///< by release_tail (trim, or for other resources)
+  std::size_t kept_free_compactions = 0;   ///< of compactions: chosen over growth by keep_free
+};
+
+}  // namespace cudamem::detail

@@ -1,0 +1,32 @@
+# Fails when a header grows past what one reading holds: a public header (include/cudamem/*.hpp)
+# over 500 lines, or a part under include/cudamem/detail/ over 600. A header that outgrows its
+# limit is split into a contract and a class over named detail/ parts, as memory_report.hpp
+# and vm_resource.hpp are.
+#   cmake -D INCLUDE_DIR=<include> -P check_sizes.cmake
+file(GLOB public_headers ${INCLUDE_DIR}/cudamem/*.hpp)
+file(GLOB_RECURSE detail_headers ${INCLUDE_DIR}/cudamem/detail/*.hpp)
+set(too_long)
+foreach(kind IN ITEMS public detail)
+  if(kind STREQUAL "public")
+    set(limit 500)
+  else()
+    set(limit 600)
+  endif()
+  foreach(header IN LISTS ${kind}_headers)
+    file(READ ${header} text)
+    # file(STRINGS) drops empty lines: count the newlines instead.
+    string(REGEX REPLACE "[^\n]" "" newlines "${text}")
+    string(LENGTH "${newlines}" count)
+    if(count GREATER limit)
+      file(RELATIVE_PATH name ${INCLUDE_DIR} ${header})
+      list(APPEND too_long "${name} (${count} lines, at most ${limit})")
+    endif()
+  endforeach()
+endforeach()
+if(too_long)
+  list(JOIN too_long "\n  " shown)
+  message(FATAL_ERROR "headers too long to read as one:\n  ${shown}")
+endif()
+list(LENGTH public_headers public_count)
+list(LENGTH detail_headers detail_count)
+message(STATUS "${public_count} public headers within 500 lines, ${detail_count} detail parts within 600")
