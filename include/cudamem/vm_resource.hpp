@@ -84,7 +84,8 @@
 //   turns into descriptors for another process). A block's handles stay where they are while
 //   it is allocated (only wholly free handles are recycled). `block_handles` throws
 //   `std::invalid_argument` for a resource not made exportable and for a pointer that is not
-//   the start of a block it gave out and has not freed.
+//   the start of a block it gave out and has not freed; `handles_covering(p, n)`, of any mapped
+//   range. `add_peer(d)`: device d may use all that is mapped, now and later.
 // - Host memory: the records of blocks and free ranges reuse the nodes of freed ones
 //   (detail/spare_nodes.hpp), so once warm, taking and freeing blocks allocates none.
 // - Thread-safe: one mutex (a pool above calls it for chunks only).
@@ -132,6 +133,7 @@
 #include <cudamem/detail/vm/mapping.hpp>
 #include <cudamem/detail/vm/options.hpp>
 #include <cudamem/detail/vm/placement.hpp>
+#include <cudamem/detail/vm/stats.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_report.hpp>
@@ -241,43 +243,16 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
   /// What it holds, in virtual-memory terms (walks the free ranges: not for hot loops).
   [[nodiscard]] vm_resource_stats vm_stats() const {
     const std::lock_guard lock(mutex_);
-    vm_resource_stats s;
-    s.granularity = config_.granule;
-    s.handle_bytes = config_.handle;
-    s.reserved_virtual_bytes = space_.reserved_bytes();
-    s.mapped_bytes = handles_.mapped_bytes;
-    s.peak_mapped_bytes = handles_.mapped_bytes.peak();
-    s.used_bytes = blocks_.used_bytes();
-    s.requested_bytes = blocks_.requested_bytes();
-    s.partial_granule_bytes = s.used_bytes - s.requested_bytes;
-    s.peak_used_bytes = blocks_.peak_used_bytes();
-    s.free_bytes = handles_.mapped_bytes - s.used_bytes;
-    s.largest_free_range = free_.largest();
-    s.recyclable_bytes = compactor_.recyclable_bytes();
-    s.stranded_bytes = s.free_bytes - s.recyclable_bytes;
-    s.handles = handles_.count();
-    s.stale_aliases = handles_.stale.size();
-    const detail::vm_call_counts& calls = compactor_.counts();
-    s.compactions = calls.compactions;
-    s.handles_created = calls.handles_created;
-    s.maps = calls.maps;
-    s.access_calls = calls.access_calls;
-    s.unmaps = calls.unmaps;
-    s.handles_created_ahead = calls.handles_created_ahead;
-    s.held_ahead_bytes = compactor_.tail_bytes();
-    s.given_back_ahead_bytes = calls.bytes_given_back_ahead;
-    s.kept_free_compactions = calls.kept_free_compactions;
-    s.growth_ahead_held_back = compactor_.ahead_held_back();
-    return s;
+    return detail::collect_vm_stats(config_, space_, handles_, blocks_, free_, compactor_);
   }
 
-  /// Starts vm_stats().peak_mapped_bytes again from what is mapped now.
+  /// Starts vm_stats().peak_mapped_bytes again from now.
   void reset_peak_mapped() {
     const std::lock_guard lock(mutex_);
     handles_.mapped_bytes.reset_peak();
   }
 
-  /// The physical memory mapped now, as ranges of adjacent handles by address: (start, bytes).
+  /// What is mapped now: ranges of adjacent handles, (start, bytes) by address.
   [[nodiscard]] std::vector<std::pair<std::uintptr_t, std::size_t>> mapped_ranges() const {
     const std::lock_guard lock(mutex_);
     return handles_.ranges();
@@ -293,58 +268,35 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
   /// a block it gave out and has not freed.
   [[nodiscard]] vm_block_handles block_handles(const void* p) const {
     const std::lock_guard lock(mutex_);
-    if (!options_.exportable) {
-      throw std::invalid_argument(
-          "cudamem::vm_resource::block_handles: the resource was not made exportable "
-          "(vm_resource_options::exportable)");
-    }
+    require_exportable("block_handles");
     return blocks_.handles_of(reinterpret_cast<std::uintptr_t>(p));
   }
 
-  /// The handles under [p, p + bytes), any part of memory it has mapped and handed out (a
-  /// block, or a pool's block inside a chunk), for export; `offset` is from the first handle's
-  /// start to p. Throws std::invalid_argument unless the resource is exportable and the range
-  /// lies in mapped memory.
+  /// The handles under [p, p + bytes) of mapped memory; std::invalid_argument otherwise.
   [[nodiscard]] vm_block_handles handles_covering(const void* p, std::size_t bytes) const {
     const std::lock_guard lock(mutex_);
-    if (!options_.exportable) {
-      throw std::invalid_argument(
-          "cudamem::vm_resource::handles_covering: the resource was not made exportable "
-          "(vm_resource_options::exportable)");
-    }
-    const auto address = reinterpret_cast<std::uintptr_t>(p);
-    const std::vector<std::pair<std::uintptr_t, std::size_t>> ranges = handles_.ranges();
-    const bool mapped = std::any_of(ranges.begin(), ranges.end(), [&](const auto& r) {
-      return address >= r.first && address + bytes <= r.first + r.second;
-    });
-    if (!mapped || bytes == 0) {
-      throw std::invalid_argument(
-          "cudamem::vm_resource::handles_covering: the range is not in memory this resource "
-          "has mapped");
-    }
+    require_exportable("handles_covering");
     vm_block_handles out;
-    out.address = address;
-    out.bytes = bytes;
-    out.requested = bytes;
-    out.offset = handles_.handles_under(address, bytes, out.handles);
+    out.address = reinterpret_cast<std::uintptr_t>(p);
+    out.bytes = out.requested = bytes;
+    const std::optional<std::size_t> offset = handles_.covering(out.address, bytes, out.handles);
+    if (!offset) {
+      throw std::invalid_argument("cudamem::vm_resource::handles_covering: the range is not in "
+                                  "memory this resource has mapped");
+    }
+    out.offset = *offset;
     return out;
   }
 
-  /// Gives `device` read-write access to all it maps, now and later: what peer access is for
-  /// virtual memory (cudaDeviceEnablePeerAccess covers only cudaMalloc'd memory). Throws
-  /// std::invalid_argument for a device with no peer path; its own device or a peer already
-  /// there changes nothing.
+  /// Peer access for virtual memory (cudaDeviceEnablePeerAccess covers cudaMalloc'd only).
   void add_peer(int device) {
     layer_->add_peer(device);  // growth from now on maps with the peer's access
     std::unique_lock lock(mutex_);
     if (ahead_) {
       ahead_->wait_idle(lock);  // a batch mapped before the peer was added is adopted by now
     }
-    if (device == layer_->device()) {
-      return;
-    }
     for (const auto& [address, bytes] : handles_.ranges()) {
-      layer_->set_peer_access(address, bytes, device);
+      layer_->set_peer_access(address, bytes, device);  // (its own device: nothing)
     }
   }
 
@@ -352,6 +304,14 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
   [[nodiscard]] detail::vm_mapping_layer& mapping_layer() const noexcept { return *layer_; }
 
  private:
+  void require_exportable(const char* who) const {
+    if (!options_.exportable) {
+      throw std::invalid_argument(std::string("cudamem::vm_resource::") + who +
+                                  ": the resource was not made exportable "
+                                  "(vm_resource_options::exportable)");
+    }
+  }
+
   /// The config of `options` over `layer`, the floor of growth ahead resolved.
   static detail::vm_config make_config(const detail::vm_mapping_layer* layer,
                                        const vm_resource_options& options) {

@@ -116,3 +116,58 @@ TEST_CASE("block_handles: bad input throws std::invalid_argument and changes not
   s.vm.deallocate(q, 64 * MiB);
   CHECK_THROWS_AS(s.vm.block_handles(q), std::invalid_argument);  // freed
 }
+
+TEST_CASE("handles_covering: any mapped range, a part of a block or beyond it, and nothing else") {
+  sim_vm s{true};
+  void* a = s.vm.allocate(40 * MiB);  // two 32 MiB handles of one 64 MiB growth
+  const vm_block_handles part = s.vm.handles_covering(static_cast<char*>(a) + 8 * MiB, 4 * MiB);
+  REQUIRE(part.handles.size() == 1);
+  CHECK(part.offset == 8 * MiB);
+  const vm_block_handles across = s.vm.handles_covering(static_cast<char*>(a) + 30 * MiB, 4 * MiB);
+  CHECK(across.handles.size() == 2);  // over the edge between the two handles
+  CHECK(across.offset == 30 * MiB);
+  // Free memory that is mapped is coverable (a pool's chunk keeps blocks inside it).
+  const vm_block_handles free_part = s.vm.handles_covering(static_cast<char*>(a) + 50 * MiB, MiB);
+  CHECK(free_part.handles.size() == 1);
+  // Outside what is mapped, zero bytes, and a resource not made exportable: refused.
+  int outside = 0;
+  CHECK_THROWS_AS(s.vm.handles_covering(&outside, 4), std::invalid_argument);
+  CHECK_THROWS_AS(s.vm.handles_covering(a, 0), std::invalid_argument);
+  CHECK_THROWS_AS(s.vm.handles_covering(a, 65 * MiB), std::invalid_argument);  // past the end
+  sim_vm plain{false};
+  void* b = plain.vm.allocate(MiB);
+  CHECK_THROWS_WITH(plain.vm.handles_covering(b, MiB), Catch::Contains("not made exportable"));
+  plain.vm.deallocate(b, MiB);
+  s.vm.deallocate(a, 40 * MiB);
+}
+
+TEST_CASE("add_peer: what is mapped gets the peer's access, and later mappings do too") {
+  sim_vm s{false};
+  void* a = s.vm.allocate(100 * MiB);
+  const auto ranges = s.vm.mapped_ranges();
+  REQUIRE(ranges.size() == 1);
+  CHECK(ranges[0].second == 128 * MiB);  // four handles, one range
+  s.vm.add_peer(3);
+  CHECK(s.layer.peers == std::vector<int>{3});
+  CHECK(s.layer.peer_access_mappings == 4);  // every mapping of the range
+  void* b = s.vm.allocate(200 * MiB);         // a growth after the peer was added
+  CHECK(s.layer.peers == std::vector<int>{3});
+  s.vm.add_peer(3);                           // again: no new peer, access set again
+  CHECK(s.layer.peers.size() == 1);
+  s.vm.deallocate(a, 100 * MiB);
+  s.vm.deallocate(b, 200 * MiB);
+}
+
+TEST_CASE("the peak of mapped memory outlives the memory, until reset_peak_mapped()") {
+  sim_vm s{false};
+  void* a = s.vm.allocate(GiB);
+  const std::size_t mapped = s.vm.vm_stats().mapped_bytes;
+  CHECK(s.vm.vm_stats().peak_mapped_bytes == mapped);
+  s.vm.deallocate(a, GiB);
+  s.vm.release();
+  CHECK(s.vm.vm_stats().mapped_bytes == 0);
+  CHECK(s.vm.vm_stats().peak_mapped_bytes == mapped);
+  s.vm.reset_peak_mapped();
+  CHECK(s.vm.vm_stats().peak_mapped_bytes == 0);
+  CHECK(s.vm.mapped_ranges().empty());
+}

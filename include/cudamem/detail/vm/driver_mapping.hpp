@@ -207,6 +207,9 @@ class driver_vm_mapping final : public vm_mapping_layer {
   }
 
   void set_peer_access(std::uintptr_t va, std::size_t bytes, int peer) override {
+    if (peer == device_) {
+      return;
+    }
     const CUmemAccessDesc desc = read_write_on(peer);
     check_driver(driver().mem_set_access(static_cast<CUdeviceptr>(va), bytes, &desc, 1),
                  "cuMemSetAccess (peer " + std::to_string(peer) + ")");

@@ -139,6 +139,29 @@ class handle_set {
     return out;
   }
 
+  /// Appends to `out` the handles under [address, address + bytes) and returns how far
+  /// `address` lies into the first, if the range lies in adjacent mapped handles; else
+  /// nullopt (out unchanged).
+  std::optional<std::size_t> covering(std::uintptr_t address, std::size_t bytes,
+                                      std::vector<std::pair<vm_handle, std::size_t>>& out) const {
+    auto h = by_address_.upper_bound(address);
+    if (bytes == 0 || h == by_address_.begin()) {
+      return std::nullopt;
+    }
+    --h;
+    const std::size_t offset = address - h->first;
+    std::vector<std::pair<vm_handle, std::size_t>> found;
+    for (std::uintptr_t next = h->first; next < address + bytes; ++h) {
+      if (h == by_address_.end() || h->first != next) {
+        return std::nullopt;  // a gap: not one mapped range
+      }
+      found.emplace_back(h->second.handle, h->second.bytes);
+      next = h->first + h->second.bytes;
+    }
+    out.insert(out.end(), found.begin(), found.end());
+    return offset;
+  }
+
   /// Whether a handle or a stale alias is mapped in [base, base + bytes).
   [[nodiscard]] bool any_mapped_in(std::uintptr_t base, std::size_t bytes) const {
     const auto h = by_address_.lower_bound(base);

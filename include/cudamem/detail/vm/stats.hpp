@@ -1,0 +1,59 @@
+// cudamem/detail/vm/stats.hpp — vm_resource's figures (vm_resource_stats), gathered from the
+// parts that keep them: the handles (what is mapped, and its peak), the live blocks (what is
+// handed out), the free ranges, the compactor (its driver-call counts, what is held ahead) and
+// the address space.
+//
+//   vm_resource_stats s = collect_vm_stats(config, space, handles, blocks, free, compactor);
+//
+// Why apart: vm_resource holds the parts; what each figure means is said once, here and in
+// vm_resource_stats (detail/vm/options.hpp). Walks the free ranges (largest, recyclable): not
+// for hot loops. Not thread-safe: vm_resource's mutex guards the parts.
+#pragma once
+
+#include <cudamem/detail/vm/address_space.hpp>
+#include <cudamem/detail/vm/compactor.hpp>
+#include <cudamem/detail/vm/config.hpp>
+#include <cudamem/detail/vm/free_ranges.hpp>
+#include <cudamem/detail/vm/handle_set.hpp>
+#include <cudamem/detail/vm/live_blocks.hpp>
+#include <cudamem/detail/vm/options.hpp>
+
+namespace cudamem::detail {
+
+[[nodiscard]] inline vm_resource_stats collect_vm_stats(const vm_config& config,
+                                                        const address_space& space,
+                                                        const handle_set& handles,
+                                                        const vm_live_blocks& blocks,
+                                                        const free_range_index& free,
+                                                        const vm_compactor& compactor) {
+  vm_resource_stats s;
+  s.granularity = config.granule;
+  s.handle_bytes = config.handle;
+  s.reserved_virtual_bytes = space.reserved_bytes();
+  s.mapped_bytes = handles.mapped_bytes;
+  s.peak_mapped_bytes = handles.mapped_bytes.peak();
+  s.used_bytes = blocks.used_bytes();
+  s.requested_bytes = blocks.requested_bytes();
+  s.partial_granule_bytes = s.used_bytes - s.requested_bytes;
+  s.peak_used_bytes = blocks.peak_used_bytes();
+  s.free_bytes = handles.mapped_bytes - s.used_bytes;
+  s.largest_free_range = free.largest();
+  s.recyclable_bytes = compactor.recyclable_bytes();
+  s.stranded_bytes = s.free_bytes - s.recyclable_bytes;
+  s.handles = handles.count();
+  s.stale_aliases = handles.stale.size();
+  const vm_call_counts& calls = compactor.counts();
+  s.compactions = calls.compactions;
+  s.handles_created = calls.handles_created;
+  s.maps = calls.maps;
+  s.access_calls = calls.access_calls;
+  s.unmaps = calls.unmaps;
+  s.handles_created_ahead = calls.handles_created_ahead;
+  s.held_ahead_bytes = compactor.tail_bytes();
+  s.given_back_ahead_bytes = calls.bytes_given_back_ahead;
+  s.kept_free_compactions = calls.kept_free_compactions;
+  s.growth_ahead_held_back = compactor.ahead_held_back();
+  return s;
+}
+
+}  // namespace cudamem::detail
