@@ -29,12 +29,26 @@
 // - its stream ledger (detail/pool/stream_ledger.hpp).
 // Chunks, and which shard each belongs to, are the chunk set's (detail/pool/chunk_set.hpp).
 //
+// Which free block a request gets, when streams are tracked (issue 39). The cache's pick (the
+// top of a size class's stack: the block freed last) and the heap's (TLSF's good fit) do not
+// look at streams. In a program that runs stream-steps on several streams in turn, the block
+// freed last was nearly always freed by the stream that ran just before, so every request
+// then made its stream wait for that stream's whole stream-step: the streams ran one after
+// another. So when the first pick needs a wait, the shard looks a little further — a few
+// blocks deeper in the same stacks, a few blocks of a few more size classes of the heap, never
+// a block more than twice the request (or than the first pick) — for one that needs none:
+// freed on the requesting stream, known complete, or covered by a wait the stream already
+// made. Only when none is found does the first pick go out, with its wait. Nothing changes
+// where streams are not tracked (host and simulated memory), nor when the first pick needs no
+// wait, so single-stream programs and the fragmentation figures place blocks as before.
+//
 // Every member function is called with `mutex` held, and leaves it held.
 #pragma once
 
 #include <cudamem/detail/nvtx.hpp>
 #include <cudamem/detail/pool/address_map.hpp>
 #include <cudamem/detail/pool/block_cache.hpp>
+#include <cudamem/detail/pool/stream_events.hpp>
 #include <cudamem/detail/pool/stream_ledger.hpp>
 #include <cudamem/detail/pool/tlsf_heap.hpp>
 #include <cudamem/detail/spin_lock.hpp>
@@ -49,6 +63,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -88,6 +103,13 @@ struct pool_policy {
   bool tracks_streams = false;  ///< false: host or simulated memory, streams are ignored
   bool annotates = false;       ///< chunks and blocks are told to an NVTX tool (detail/nvtx.hpp)
   int device = -1;              ///< for device-wide synchronisation
+  /// The stream-order calls (detail/pool/stream_events.hpp): CUDA's, or a test's model.
+  stream_event_driver* events = nullptr;
+  /// How far a request whose first pick needs a wait looks for a block that needs none (see
+  /// the header comment): blocks per cache stack, heap size classes, blocks per class.
+  static constexpr unsigned ready_cache_depth = 8;
+  static constexpr unsigned ready_heap_classes = 8;
+  static constexpr unsigned ready_heap_depth = 4;
 
   /// The policy of a pool with options `o` (a validated pool_options) over `upstream`.
   template <class Options>
@@ -101,8 +123,13 @@ struct pool_policy {
     p.cache_limit = o.cache_bytes > 0 ? std::min(o.cache_block_limit, std::size_t{1} << 50) : 0;
     p.cache_bytes = o.cache_bytes;
     p.cache_over_use = o.cache_follows_use ? 0 : std::numeric_limits<std::size_t>::max() / 2;
-    p.tracks_streams = upstream.kind() != memory_kind::host &&
-                       !(upstream.kind() == memory_kind::device && upstream.device() < 0);
+    // A test or simulation may have installed a model of the device's stream calls: then
+    // streams are tracked over any memory (scoped_pool_stream_events).
+    stream_event_driver* model = pool_stream_events_override.load();
+    p.events = model != nullptr ? model : &cuda_stream_events();
+    p.tracks_streams = model != nullptr ||
+                       (upstream.kind() != memory_kind::host &&
+                        !(upstream.kind() == memory_kind::device && upstream.device() < 0));
     p.device = upstream.device();
     p.annotates = annotates_sub_allocations(
         upstream.kind() == memory_kind::device && upstream.device() >= 0,
@@ -160,15 +187,30 @@ struct alignas(64) pool_shard {
   std::size_t peak = 0;
   stream_ledger ledger;
 
+  explicit pool_shard(const pool_policy& policy) noexcept
+      : ledger(*policy.events, policy.device) {}
+
   /// A block of `size` bytes (rounded to the granule) from tier `t`, made ready for `stream`,
   /// or nullptr. `any_block`: also cut a free block much larger than the request (see
-  /// pool_policy::oversize_limit).
+  /// pool_policy::oversize_limit). `ready_only` (streams tracked): only a block that needs no
+  /// wait for `stream`, of at most twice the request, else nullptr.
   void* take(const pool_policy& policy, pool_tier t, std::size_t size, std::size_t alignment,
-             const stream_view* stream, bool any_block = false) {
+             const stream_view* stream, bool any_block = false, bool ready_only = false) {
     live.reserve_one();  // the only step that can fail for want of host memory: do it first
-    pool_block* b = tiers[t].allocate(size, alignment,
-                                      any_block ? std::numeric_limits<std::size_t>::max()
-                                                : policy.oversize_limit(size));
+    const std::size_t largest_split =
+        any_block ? std::numeric_limits<std::size_t>::max() : policy.oversize_limit(size);
+    pool_block* b = nullptr;
+    if (policy.tracks_streams) {  // prefer a block that needs no wait (header comment)
+      bool switched = false;
+      b = tiers[t].allocate(
+          size, alignment, largest_split,
+          [&](const pool_block& c) { return c.tag.empty() || ledger.ready_for(c.tag, stream); },
+          {pool_policy::ready_heap_classes, pool_policy::ready_heap_depth}, &switched,
+          ready_only);
+      ledger.counters().preferred_blocks += switched && !ready_only ? 1 : 0;
+    } else {
+      b = tiers[t].allocate(size, alignment, largest_split);
+    }
     if (b == nullptr) {
       return nullptr;
     }
@@ -177,7 +219,7 @@ struct alignas(64) pool_shard {
         if (b->tag.only_on(stream)) {
           b->tag.clear();
         } else {
-          make_ready(b->tag, stream, policy.device);
+          ledger.make_ready(b->tag, stream);
         }
       } catch (...) {
         tiers[t].free(b);
@@ -212,14 +254,45 @@ struct alignas(64) pool_shard {
     return nullptr;
   }
 
-  /// Hands out `b`, just popped from the cache (still in `live`), whose pending frees need an
-  /// event check. On failure it goes back to the cache.
-  void* hand_out_cached(const pool_policy& policy, pool_block* b, const stream_view* stream) {
-    try {
-      make_ready(b->tag, stream, policy.device);
-    } catch (...) {
-      cached.push(b);
-      throw;
+  /// Hands out `b`, just popped from the cache (still in `live`) for a request of `size` bytes
+  /// at `alignment`, whose pending frees need an event check. If b would need a wait, a block
+  /// that needs none goes out instead — from the same stacks, else from the heap (at most
+  /// twice the request) — and b back on top of its stack (header comment). On failure the
+  /// block goes back to the cache.
+  void* hand_out_cached(const pool_policy& policy, pool_block* b, std::size_t size,
+                        std::size_t alignment, const stream_view* stream) {
+    if (!ledger.ready_for(b->tag, stream)) {
+      pool_block* other = cached.pop_if(
+          size, alignment - 1,
+          [&](const pool_block& c) { return c.tag.empty() || ledger.ready_for(c.tag, stream); },
+          pool_policy::ready_cache_depth);
+      if (other != nullptr) {
+        cached.push(b);
+        ++ledger.counters().preferred_blocks;
+        b = other;
+      } else {
+        void* p = nullptr;
+        try {
+          p = take(policy, policy.tier_of(size), size, alignment, stream, false, true);
+        } catch (const std::bad_alloc&) {  // no host memory for the heap's nodes: b will do
+        } catch (...) {
+          cached.push(b);
+          throw;
+        }
+        if (p != nullptr) {
+          cached.push(b);
+          ++ledger.counters().preferred_blocks;
+          return p;
+        }
+      }
+    }
+    if (!b->tag.empty()) {
+      try {
+        ledger.make_ready(b->tag, stream);
+      } catch (...) {
+        cached.push(b);
+        throw;
+      }
     }
     count_in(b->size);
     return reinterpret_cast<void*>(b->address);
@@ -236,7 +309,7 @@ struct alignas(64) pool_shard {
     }
     used -= b->size;
     if (policy.tracks_streams && stream != nullptr) {
-      ledger.note_free(b->tag, *stream, policy.device);
+      ledger.note_free(b->tag, *stream);
     }
     if (policy.cache_outgrew(cached.bytes(), used)) {
       flush_cache();  // most of what was live is free: a new phase starts from merged memory
@@ -310,11 +383,12 @@ template <class Options>
 }
 
 /// `count` empty shards, each on cache lines of its own.
-[[nodiscard]] inline std::vector<std::unique_ptr<pool_shard>> make_pool_shards(unsigned count) {
+[[nodiscard]] inline std::vector<std::unique_ptr<pool_shard>> make_pool_shards(
+    unsigned count, const pool_policy& policy) {
   std::vector<std::unique_ptr<pool_shard>> shards;
   shards.reserve(count);
   for (unsigned i = 0; i < count; ++i) {
-    shards.push_back(std::make_unique<pool_shard>());
+    shards.push_back(std::make_unique<pool_shard>(policy));
   }
   return shards;
 }
