@@ -289,6 +289,37 @@ TEST_CASE("pool streams: the synchronous allocate waits on the host, and prefers
   pool.deallocate(q, 64 * KiB, 256, A);
 }
 
+TEST_CASE("pool streams: benchmarks can build the pool as it was before (first pick, a wait "
+          "per block)") {
+  host_stream_events events;
+  const detail::scoped_pool_stream_events use{events};
+  simulated_resource device;
+  const detail::scoped_pool_stream_choices before{{.prefer_ready = false, .remember_waits = false}};
+  pool_resource pool{device, one_shard()};
+
+  void* on_a = pool.allocate(64 * KiB, 256, A);
+  std::vector<void*> on_b;
+  for (int i = 0; i < 3; ++i) {
+    on_b.push_back(pool.allocate(64 * KiB, 256, B));
+  }
+  pool.deallocate(on_a, 64 * KiB, 256, A);
+  for (void* p : on_b) {
+    pool.deallocate(p, 64 * KiB, 256, B);
+  }
+  std::vector<void*> again;
+  for (int i = 0; i < 3; ++i) {
+    again.push_back(pool.allocate(64 * KiB, 256, A));  // B's, last freed first
+  }
+  CHECK(again[0] == on_b[2]);
+  CHECK(events.calls().wait == 3);  // one per block
+  CHECK(events.calls().query == 3);
+  CHECK(pool.stream_stats().preferred_blocks == 0);
+  CHECK(pool.stream_stats().waits_skipped == 0);
+  for (void* p : again) {
+    pool.deallocate(p, 64 * KiB, 256, A);
+  }
+}
+
 TEST_CASE("pool streams: vm_pool's pool prefers its own stream's blocks too") {
   host_stream_events events;
   const detail::scoped_pool_stream_events use{events};

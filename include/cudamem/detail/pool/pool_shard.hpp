@@ -105,6 +105,10 @@ struct pool_policy {
   int device = -1;              ///< for device-wide synchronisation
   /// The stream-order calls (detail/pool/stream_events.hpp): CUDA's, or a test's model.
   stream_event_driver* events = nullptr;
+  /// Look for a block that needs no wait before waiting; remember waits (both on but where a
+  /// benchmark measures the pool as it was before: detail::scoped_pool_stream_choices).
+  bool prefers_ready = true;
+  bool remembers_waits = true;
   /// How far a request whose first pick needs a wait looks for a block that needs none (see
   /// the header comment): blocks per cache stack, heap size classes, blocks per class.
   static constexpr unsigned ready_cache_depth = 8;
@@ -131,6 +135,9 @@ struct pool_policy {
                        (upstream.kind() != memory_kind::host &&
                         !(upstream.kind() == memory_kind::device && upstream.device() < 0));
     p.device = upstream.device();
+    const pool_stream_choices choices = current_pool_stream_choices();
+    p.prefers_ready = choices.prefer_ready;
+    p.remembers_waits = choices.remember_waits;
     p.annotates = annotates_sub_allocations(
         upstream.kind() == memory_kind::device && upstream.device() >= 0,
         upstream.allows_nvtx_heaps());
@@ -188,7 +195,7 @@ struct alignas(64) pool_shard {
   stream_ledger ledger;
 
   explicit pool_shard(const pool_policy& policy) noexcept
-      : ledger(*policy.events, policy.device) {}
+      : ledger(*policy.events, policy.device, policy.remembers_waits) {}
 
   /// A block of `size` bytes (rounded to the granule) from tier `t`, made ready for `stream`,
   /// or nullptr. `any_block`: also cut a free block much larger than the request (see
@@ -200,7 +207,7 @@ struct alignas(64) pool_shard {
     const std::size_t largest_split =
         any_block ? std::numeric_limits<std::size_t>::max() : policy.oversize_limit(size);
     pool_block* b = nullptr;
-    if (policy.tracks_streams) {  // prefer a block that needs no wait (header comment)
+    if (policy.tracks_streams && policy.prefers_ready) {  // one needing no wait (header comment)
       bool switched = false;
       b = tiers[t].allocate(
           size, alignment, largest_split,
@@ -261,7 +268,7 @@ struct alignas(64) pool_shard {
   /// block goes back to the cache.
   void* hand_out_cached(const pool_policy& policy, pool_block* b, std::size_t size,
                         std::size_t alignment, const stream_view* stream) {
-    if (!ledger.ready_for(b->tag, stream)) {
+    if (policy.prefers_ready && !ledger.ready_for(b->tag, stream)) {
       pool_block* other = cached.pop_if(
           size, alignment - 1,
           [&](const pool_block& c) { return c.tag.empty() || ledger.ready_for(c.tag, stream); },

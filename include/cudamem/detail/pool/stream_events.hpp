@@ -31,6 +31,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 
@@ -166,6 +167,35 @@ class scoped_pool_stream_events {
   stream_event_driver* previous_;
 };
 
+/// Benchmarks: how pools built from now on choose blocks across streams (both on by default,
+/// as pool_resource's contract says). Off, a pool behaves as it did before issue 39 — the
+/// first pick whatever it waits for; a query and a wait for every block that crosses streams —
+/// so that bench_workload can measure both in one run. Not for programs.
+struct pool_stream_choices {
+  bool prefer_ready = true;    ///< look for a block that needs no wait before waiting
+  bool remember_waits = true;  ///< a stream waits once per recording of another's event
+};
+inline std::atomic<unsigned> pool_stream_choices_bits{3};  // bit 0: prefer_ready, 1: remember
+
+[[nodiscard]] inline pool_stream_choices current_pool_stream_choices() noexcept {
+  const unsigned bits = pool_stream_choices_bits.load();
+  return {(bits & 1U) != 0, (bits & 2U) != 0};
+}
+
+/// While it lives, pools built (on any thread) make the given choices.
+class scoped_pool_stream_choices {
+ public:
+  explicit scoped_pool_stream_choices(pool_stream_choices c) noexcept
+      : previous_(pool_stream_choices_bits.exchange((c.prefer_ready ? 1U : 0U) |
+                                                    (c.remember_waits ? 2U : 0U))) {}
+  ~scoped_pool_stream_choices() { pool_stream_choices_bits.store(previous_); }
+  scoped_pool_stream_choices(const scoped_pool_stream_choices&) = delete;
+  scoped_pool_stream_choices& operator=(const scoped_pool_stream_choices&) = delete;
+
+ private:
+  unsigned previous_;
+};
+
 /// A host model of the device for tests and simulations: events are numbers, and a recorded
 /// event completes only when told (the device is always behind the host until then). Counts
 /// every call. Stream ids: the handle's value plus a generation that `recreate(stream)` bumps
@@ -193,7 +223,8 @@ class host_stream_events final : public stream_event_driver {
     state& s = events_[event];
     ++s.records;
     s.recorded_on = stream;
-    s.recorded_at = tick_;
+    const auto work = last_work_.find(stream);
+    s.recorded_at = work != last_work_.end() ? work->second : tick_;
     s.complete = complete_at_record_;
   }
   bool query(cudaEvent_t event) override {
@@ -204,7 +235,9 @@ class host_stream_events final : public stream_event_driver {
   void wait(cudaStream_t stream, cudaEvent_t event) override {
     const std::lock_guard lock(mutex_);
     ++calls_.wait;
-    last_wait_ = {stream, event, events_[event].records};
+    const state& s = events_[event];
+    last_wait_ = {stream, event, s.records};
+    ++wait_distances_[tick_ >= s.recorded_at ? tick_ - s.recorded_at : 0];
   }
   void synchronize(cudaEvent_t event) override {
     const std::lock_guard lock(mutex_);
@@ -248,12 +281,23 @@ class host_stream_events final : public stream_event_driver {
       s.complete = true;
     }
   }
-  /// The simulated device's clock: records are stamped with it, and
+  /// The simulated device's clock: records are stamped with the tick of the last work put on
+  /// their stream (`note_work`; the current tick if none was noted), and
   /// `complete_recorded_before(t)` completes those stamped before `t` (a device `lag` ticks
-  /// behind the host completes, at tick t, what was recorded before t - lag).
+  /// behind the host completes, at tick t, what was recorded before t - lag). Each wait is
+  /// filed under how many ticks back the work it waits for was put on its stream.
   void set_tick(std::uint64_t tick) {
     const std::lock_guard lock(mutex_);
     tick_ = tick;
+  }
+  void note_work(cudaStream_t stream, std::uint64_t tick) {
+    const std::lock_guard lock(mutex_);
+    last_work_[stream] = tick;
+  }
+  /// Waits by distance in ticks (see set_tick).
+  [[nodiscard]] std::map<std::uint64_t, std::size_t> wait_distances() const {
+    const std::lock_guard lock(mutex_);
+    return wait_distances_;
   }
   void complete_recorded_before(std::uint64_t tick) {
     const std::lock_guard lock(mutex_);
@@ -301,6 +345,8 @@ class host_stream_events final : public stream_event_driver {
   call_counts calls_;
   std::unordered_map<cudaEvent_t, state> events_;
   std::unordered_map<cudaStream_t, std::uint64_t> generations_;
+  std::unordered_map<cudaStream_t, std::uint64_t> last_work_;
+  std::map<std::uint64_t, std::size_t> wait_distances_;
   std::uintptr_t next_event_ = 0;
   std::uint64_t tick_ = 0;
   wait_record last_wait_{nullptr, nullptr, 0};

@@ -177,8 +177,11 @@ struct stream_counters {
 class stream_ledger {
  public:
   /// `device`: the pool's (a default stream's device, and the device-wide synchronisation's).
-  explicit stream_ledger(stream_event_driver& driver = cuda_stream_events(), int device = -1) noexcept
-      : driver_(&driver), device_(device) {}
+  /// `remember_waits` false: every block that crosses streams is checked with the driver (the
+  /// pool before issue 39, for benchmarks: detail::scoped_pool_stream_choices).
+  explicit stream_ledger(stream_event_driver& driver = cuda_stream_events(), int device = -1,
+                         bool remember_waits = true) noexcept
+      : driver_(&driver), device_(device), remember_waits_(remember_waits) {}
   stream_ledger(const stream_ledger&) = delete;
   stream_ledger& operator=(const stream_ledger&) = delete;
   ~stream_ledger() {
@@ -337,7 +340,9 @@ class stream_ledger {
 
  private:
   /// Whether a wait by `s` may be remembered: not a default stream (see the header comment).
-  [[nodiscard]] static bool rememberable(cudaStream_t s) noexcept { return !is_default_stream(s); }
+  [[nodiscard]] bool rememberable(cudaStream_t s) const noexcept {
+    return remember_waits_ && !is_default_stream(s);
+  }
 
   /// Records rec's event on its stream now, covering every free made on it so far.
   void record_event(stream_record& rec) {
@@ -368,6 +373,7 @@ class stream_ledger {
 
   stream_event_driver* driver_;
   int device_;
+  bool remember_waits_;
   std::vector<std::unique_ptr<stream_record>> streams_;
   stream_record* last_ = nullptr;
   stream_counters counters_;
