@@ -97,7 +97,9 @@
 // vm_pool-pre39 over a simulated 80 GiB device, with the pools' event calls answered by a
 // model of a device that is `lag` stream-steps behind the host (lag 0: idle, every event is
 // complete when asked; lag 4: a stream-step's work is done when its stream's next one starts).
-// It prints the counts above per step, which stream-steps the waits were on (how many
+// `--growth-mib N` and `--cache-mib N` set the pools' growth_step and cache_block_limit there
+// (what a different default would do to the waits and the peak). It prints the counts above
+// per step, which stream-steps the waits were on (how many
 // stream-steps back: 1 = the one just before, which serialises the streams), and the peak
 // reserved beside the largest stream-step (what a cudaMalloc program holds, about). It shows
 // the host side of the hypotheses with no GPU; the times are the GPU run's.
@@ -784,6 +786,8 @@ struct options {
   std::vector<std::string> only;  ///< empty: every row
   bool probe = true;
   bool simulated = false;
+  std::size_t growth_mib = 0;  ///< --simulated: the pools' growth_step (0: default)
+  int cache_mib = -1;          ///< --simulated: the pools' cache_block_limit (-1: default)
 
   [[nodiscard]] bool wants(const std::string& name) const {
     return only.empty() || std::find(only.begin(), only.end(), name) != only.end();
@@ -815,10 +819,14 @@ options parse(int argc, char** argv) {
       o.probe = false;
     } else if (a == "--simulated") {
       o.simulated = true;
+    } else if (a == "--growth-mib" && i + 1 < argc) {
+      o.growth_mib = static_cast<std::size_t>(std::max(0, std::atoi(argv[++i])));
+    } else if (a == "--cache-mib" && i + 1 < argc) {
+      o.cache_mib = std::max(0, std::atoi(argv[++i]));
     } else {
       std::fprintf(stderr,
                    "usage: bench_workload [--quick] [--steps N] [--reps N] [--sorts N] "
-                   "[--only A,B,...] [--no-probe] [--simulated]\n"
+                   "[--only A,B,...] [--no-probe] [--simulated [--growth-mib N] [--cache-mib N]]\n"
                    "rows: limit cudaMalloc cudaMallocAsync CUB pool+thrust pool pool-pre39 vm_pool "
                    "vm_pool-pre39 arena; sort: the sort loop\n");
       std::exit(2);
@@ -872,19 +880,22 @@ struct simulated_pool {
 /// Replays two passes of the plan (the first warms, the second is counted) through `mr` with
 /// the device `lag` stream-steps behind the host (0: idle), and prints one line.
 void simulate(const std::string& name, bool vm, bool before_39, std::size_t lag, const plan& p,
-              std::size_t steps) {
+              std::size_t steps, const cudamem::pool_options& pool_opt) {
   cudamem::detail::host_stream_events events;
   const cudamem::detail::scoped_pool_stream_events use{events};
   const cudamem::detail::scoped_pool_stream_choices choices{
       {.prefer_ready = !before_39, .remember_waits = !before_39}};
   simulated_pool sp;
   if (vm) {
+    cudamem::vm_pool_options vo;
+    vo.pool.growth_step = pool_opt.growth_step;
+    vo.pool.cache_block_limit = pool_opt.cache_block_limit;
     auto v = std::make_unique<cudamem::vm_pool_resource>(
-        std::make_unique<cudamem::detail::simulated_vm_mapping>());
+        std::make_unique<cudamem::detail::simulated_vm_mapping>(), vo);
     sp.pool = &v->pool();
     sp.mr = std::move(v);
   } else {
-    auto pool = std::make_unique<cudamem::pool_resource>(sp.device);
+    auto pool = std::make_unique<cudamem::pool_resource>(sp.device, pool_opt);
     sp.pool = pool.get();
     sp.mr = std::move(pool);
   }
@@ -956,6 +967,16 @@ void simulate(const std::string& name, bool vm, bool before_39, std::size_t lag,
 
 int run_simulated(const options& opt) {
   const plan p = make_plan(opt.steps);
+  cudamem::pool_options pool_opt;  // the defaults, but for what the command line says
+  if (opt.growth_mib > 0) {
+    pool_opt.growth_step = opt.growth_mib * MiB;
+  }
+  if (opt.cache_mib >= 0) {
+    pool_opt.cache_block_limit = static_cast<std::size_t>(opt.cache_mib) * MiB;
+  }
+  std::printf("pool options: growth_step %zu MiB, cache_block_limit %zu MiB (vm_pool: the same "
+              "over its own defaults)\n",
+              pool_opt.growth_step / MiB, pool_opt.cache_block_limit / MiB);
   std::printf("bench_workload --simulated: the allocation pattern of %zu steps x %d streams over a "
               "simulated device; pools' event calls answered by a model of a device `lag` "
               "stream-steps behind the host (idle: every event complete when asked). Counts per "
@@ -974,7 +995,7 @@ int run_simulated(const options& opt) {
         if (!opt.wants(name)) {
           continue;
         }
-        simulate(name, vm, before_39, lag, p, opt.steps);
+        simulate(name, vm, before_39, lag, p, opt.steps, pool_opt);
       }
     }
   }

@@ -28,6 +28,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -225,7 +226,7 @@ class host_stream_events final : public stream_event_driver {
     s.recorded_on = stream;
     const auto work = last_work_.find(stream);
     s.recorded_at = work != last_work_.end() ? work->second : tick_;
-    s.complete = complete_at_record_;
+    s.complete = complete_at_record_ || s.recorded_at < completed_before_;
   }
   bool query(cudaEvent_t event) override {
     const std::lock_guard lock(mutex_);
@@ -301,6 +302,7 @@ class host_stream_events final : public stream_event_driver {
   }
   void complete_recorded_before(std::uint64_t tick) {
     const std::lock_guard lock(mutex_);
+    completed_before_ = std::max(completed_before_, tick);
     for (auto& [event, s] : events_) {
       s.complete = s.complete || s.recorded_at < tick;
     }
@@ -349,6 +351,7 @@ class host_stream_events final : public stream_event_driver {
   std::map<std::uint64_t, std::size_t> wait_distances_;
   std::uintptr_t next_event_ = 0;
   std::uint64_t tick_ = 0;
+  std::uint64_t completed_before_ = 0;  ///< work of earlier ticks is done
   wait_record last_wait_{nullptr, nullptr, 0};
   bool complete_at_record_ = false;
 };
