@@ -49,7 +49,11 @@
 //                    pick whatever it waits for; a query and a wait per block that crosses
 //                    streams: detail::scoped_pool_stream_choices): what the change does, in
 //                    the same run
-//   vm_pool          the same over cudamem vm_pool_resource (and vm_pool-pre39)
+//   pool-complete    the pool with pool_options::stream_reuse = when_complete: memory freed on
+//                    another stream is reused only once known complete, else the pool grows
+//                    (no cross-stream waits; more memory): what the waits cost, in the same run
+//   vm_pool          the same over cudamem vm_pool_resource (and vm_pool-pre39,
+//                    vm_pool-complete)
 //   arena            one cudamem arena_resource per stream (over cudaMalloc'd chunks of
 //                    160 MiB), rewound after every stream-step by an arena_scope: allocation is
 //                    a pointer bump and the stream-step's frees cost nothing
@@ -93,8 +97,8 @@
 // for the stream after each sort), and cudamem::exec_policy.
 //
 // --simulated (no GPU): the same plan's allocations and frees (tensors, keys, and one
-// temporary of 1 MiB + 96 KiB for the sort) through pool, pool-pre39, vm_pool and
-// vm_pool-pre39 over a simulated 80 GiB device, with the pools' event calls answered by a
+// temporary of 1 MiB + 96 KiB for the sort) through pool, pool-pre39, pool-complete and the
+// three vm_pool rows over a simulated 80 GiB device, with the pools' event calls answered by a
 // model of a device that is `lag` stream-steps behind the host (lag 0: idle, every event is
 // complete when asked; lag 4: a stream-step's work is done when its stream's next one starts).
 // `--growth-mib N` and `--cache-mib N` set the pools' growth_step and cache_block_limit there
@@ -827,8 +831,8 @@ options parse(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: bench_workload [--quick] [--steps N] [--reps N] [--sorts N] "
                    "[--only A,B,...] [--no-probe] [--simulated [--growth-mib N] [--cache-mib N]]\n"
-                   "rows: limit cudaMalloc cudaMallocAsync CUB pool+thrust pool pool-pre39 vm_pool "
-                   "vm_pool-pre39 arena; sort: the sort loop\n");
+                   "rows: limit cudaMalloc cudaMallocAsync CUB pool+thrust pool pool-pre39 "
+                   "pool-complete vm_pool vm_pool-pre39 vm_pool-complete arena; sort: the sort loop\n");
       std::exit(2);
     }
   }
@@ -854,12 +858,12 @@ double per_step(std::uint64_t total, std::size_t steps) {
 }
 
 void print_counts_header() {
-  std::printf("%-15s %8s %8s %8s %8s %8s %8s %8s %8s %11s\n", "pool row", "crossed", "preferred",
+  std::printf("%-16s %8s %8s %8s %8s %8s %8s %8s %8s %11s\n", "pool row", "crossed", "preferred",
               "records", "queries", "waits", "skipped", "host w.", "dev sync", "chunks +/-");
 }
 
 void print_counts(const std::string& name, const cudamem::pool_stream_stats& c, std::size_t steps) {
-  std::printf("%-15s %8.2f %8.2f %8.2f %8.2f %8.2f %8.2f %8.2f %8.2f %5llu/%-5llu\n", name.c_str(),
+  std::printf("%-16s %8.2f %8.2f %8.2f %8.2f %8.2f %8.2f %8.2f %8.2f %5llu/%-5llu\n", name.c_str(),
               per_step(c.cross_stream_blocks, steps), per_step(c.preferred_blocks, steps),
               per_step(c.event_records, steps), per_step(c.event_queries, steps),
               per_step(c.stream_waits, steps), per_step(c.waits_skipped, steps),
@@ -879,8 +883,12 @@ struct simulated_pool {
 
 /// Replays two passes of the plan (the first warms, the second is counted) through `mr` with
 /// the device `lag` stream-steps behind the host (0: idle), and prints one line.
-void simulate(const std::string& name, bool vm, bool before_39, std::size_t lag, const plan& p,
-              std::size_t steps, const cudamem::pool_options& pool_opt) {
+void simulate(const std::string& name, bool vm, bool before_39, bool when_complete,
+              std::size_t lag, const plan& p, std::size_t steps,
+              cudamem::pool_options pool_opt) {
+  if (when_complete) {
+    pool_opt.stream_reuse = cudamem::stream_reuse_policy::when_complete;
+  }
   cudamem::detail::host_stream_events events;
   const cudamem::detail::scoped_pool_stream_events use{events};
   const cudamem::detail::scoped_pool_stream_choices choices{
@@ -890,6 +898,7 @@ void simulate(const std::string& name, bool vm, bool before_39, std::size_t lag,
     cudamem::vm_pool_options vo;
     vo.pool.growth_step = pool_opt.growth_step;
     vo.pool.cache_block_limit = pool_opt.cache_block_limit;
+    vo.pool.stream_reuse = pool_opt.stream_reuse;
     auto v = std::make_unique<cudamem::vm_pool_resource>(
         std::make_unique<cudamem::detail::simulated_vm_mapping>(), vo);
     sp.pool = &v->pool();
@@ -956,7 +965,7 @@ void simulate(const std::string& name, bool vm, bool before_39, std::size_t lag,
   }
   char lag_text[16];
   std::snprintf(lag_text, sizeof lag_text, "%zu", lag);
-  std::printf("%-14s %4s", name.c_str(), lag == 0 ? "idle" : lag_text);
+  std::printf("%-16s %4s", name.c_str(), lag == 0 ? "idle" : lag_text);
   std::printf(" %8.2f %8.2f %8.2f %8.2f %8.2f %8.2f %7.1f %7.1f %6.2f  %s\n",
               per_step(c.cross_stream_blocks, steps), per_step(c.preferred_blocks, steps),
               per_step(c.event_records, steps), per_step(c.event_queries, steps),
@@ -984,18 +993,19 @@ int run_simulated(const options& opt) {
               opt.steps, stream_count);
   std::printf("waits by distance: how many stream-steps back the work waited for was issued "
               "(1: the stream-step just before: the streams run one after another)\n\n");
-  std::printf("%-14s %4s %8s %8s %8s %8s %8s %8s %7s %7s %6s  %s\n", "pool", "lag", "crossed",
+  std::printf("%-16s %4s %8s %8s %8s %8s %8s %8s %7s %7s %6s  %s\n", "pool", "lag", "crossed",
               "preferred", "records", "queries", "waits", "skipped", "peak", "1 step", "ratio",
               "waits by distance");
   for (const std::size_t lag : {std::size_t{0}, std::size_t{1}, std::size_t{2}, std::size_t{4},
                                 std::size_t{8}}) {
     for (const bool vm : {false, true}) {
-      for (const bool before_39 : {true, false}) {
-        const std::string name = std::string(vm ? "vm_pool" : "pool") + (before_39 ? "-pre39" : "");
+      for (const char* variant : {"-pre39", "", "-complete"}) {
+        const std::string name = std::string(vm ? "vm_pool" : "pool") + variant;
         if (!opt.wants(name)) {
           continue;
         }
-        simulate(name, vm, before_39, lag, p, opt.steps, pool_opt);
+        simulate(name, vm, std::string(variant) == "-pre39", std::string(variant) == "-complete",
+                 lag, p, opt.steps, pool_opt);
       }
     }
   }
@@ -1070,22 +1080,31 @@ int main(int argc, char** argv) try {
   const auto vm_counts = [](cudamem::memory_resource& mr) {
     return static_cast<cudamem::vm_pool_resource&>(mr).pool().stream_stats();
   };
-  // A pool row; `before_39`: built to choose blocks as before issue 39 (see the header).
-  const auto pool_row = [&](bool thrust_default_sort, bool before_39) {
-    return [&, thrust_default_sort, before_39]() -> std::unique_ptr<row_base> {
+  // A pool row; `before_39`: built to choose blocks as before issue 39 (see the header);
+  // `when_complete`: pool_options::stream_reuse = stream_reuse_policy::when_complete.
+  const auto pool_row = [&](bool thrust_default_sort, bool before_39, bool when_complete) {
+    return [&, thrust_default_sort, before_39, when_complete]() -> std::unique_ptr<row_base> {
       const cudamem::detail::scoped_pool_stream_choices choices{
           {.prefer_ready = !before_39, .remember_waits = !before_39}};
       auto device = std::make_unique<cudamem::device_resource>(0);
-      resource_ptr pool = std::make_unique<cudamem::pool_resource>(*device);
+      cudamem::pool_options o;
+      if (when_complete) {
+        o.stream_reuse = cudamem::stream_reuse_policy::when_complete;
+      }
+      resource_ptr pool = std::make_unique<cudamem::pool_resource>(*device, o);
       return std::make_unique<resource_row>(std::move(device), std::move(pool), streams,
                                             thrust_default_sort, pool_reserved, pool_counts);
     };
   };
-  const auto vm_pool_row = [&](bool before_39) {
-    return [&, before_39]() -> std::unique_ptr<row_base> {
+  const auto vm_pool_row = [&](bool before_39, bool when_complete) {
+    return [&, before_39, when_complete]() -> std::unique_ptr<row_base> {
       const cudamem::detail::scoped_pool_stream_choices choices{
           {.prefer_ready = !before_39, .remember_waits = !before_39}};
-      return std::make_unique<resource_row>(nullptr, std::make_unique<cudamem::vm_pool_resource>(0),
+      cudamem::vm_pool_options o;
+      if (when_complete) {
+        o.pool.stream_reuse = cudamem::stream_reuse_policy::when_complete;
+      }
+      return std::make_unique<resource_row>(nullptr, std::make_unique<cudamem::vm_pool_resource>(0, o),
                                             streams, false, vm_mapped, vm_counts);
     };
   };
@@ -1094,11 +1113,13 @@ int main(int argc, char** argv) try {
       {"cudaMalloc", [&] { return std::make_unique<cuda_malloc_row>(streams); }},
       {"cudaMallocAsync", [&] { return std::make_unique<malloc_async_row>(streams); }},
       {"CUB", [&] { return std::make_unique<cub_row>(streams); }},
-      {"pool+thrust", pool_row(true, false)},
-      {"pool", pool_row(false, false)},
-      {"pool-pre39", pool_row(false, true)},
-      {"vm_pool", vm_pool_row(false)},
-      {"vm_pool-pre39", vm_pool_row(true)},
+      {"pool+thrust", pool_row(true, false, false)},
+      {"pool", pool_row(false, false, false)},
+      {"pool-pre39", pool_row(false, true, false)},
+      {"pool-complete", pool_row(false, false, true)},
+      {"vm_pool", vm_pool_row(false, false)},
+      {"vm_pool-pre39", vm_pool_row(true, false)},
+      {"vm_pool-complete", vm_pool_row(false, true)},
       {"arena", [&] { return std::make_unique<arena_row>(streams); }},
   };
   std::vector<row_spec> specs;
@@ -1178,7 +1199,9 @@ int main(int argc, char** argv) try {
   // Ours against each peer: ratios of medians (steps/s), and peak reserved against the best peer
   // and against cudaMalloc's (the issue-39 target).
   const std::vector<std::string> peers = {"cudaMalloc", "cudaMallocAsync", "CUB"};
-  const std::vector<std::string> ours = {"pool", "pool-pre39", "vm_pool", "vm_pool-pre39", "arena"};
+  const std::vector<std::string> ours = {"pool",          "pool-pre39",       "pool-complete",
+                                         "vm_pool",       "vm_pool-pre39",    "vm_pool-complete",
+                                         "arena"};
   std::optional<std::size_t> best_peer_peak;
   std::string best_peer;
   for (const std::string& name : peers) {
@@ -1213,12 +1236,12 @@ int main(int argc, char** argv) try {
       continue;
     }
     if (!printed_header) {
-      std::printf("\n%-14s %10s %8s %13s %17s %8s %14s %10s %13s\n", "ours", "steps/s", "x limit",
+      std::printf("\n%-16s %10s %8s %13s %17s %8s %14s %10s %13s\n", "ours", "steps/s", "x limit",
                   "x cudaMalloc", "x cudaMallocAsync", "x CUB", "x pool+thrust", "peak MiB",
                   "peak / cudaMalloc");
       printed_header = true;
     }
-    std::printf("%-14s %10.1f %8.3f %13s %17s %8s %14s %10.1f %13s\n", name.c_str(),
+    std::printf("%-16s %10.1f %8.3f %13s %17s %8s %14s %10.1f %13s\n", name.c_str(),
                 r->steps_per_second(), r->fraction_of_limit(), ratio(*r, "cudaMalloc").c_str(),
                 ratio(*r, "cudaMallocAsync").c_str(), ratio(*r, "CUB").c_str(),
                 ratio(*r, "pool+thrust").c_str(), mib(r->peak_reserved),

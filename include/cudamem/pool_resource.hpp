@@ -48,7 +48,9 @@
 // - Which block, across streams. When the block a request would get needs a wait for another
 //   stream's work, the pool looks a little further for one that needs none (freed on the
 //   requesting stream, known complete, or already waited for) and takes it instead; only when
-//   there is none does the request's stream wait. A stream waits for a given recording of
+//   there is none does the request's stream wait — or, with `stream_reuse =
+//   stream_reuse_policy::when_complete`, the pool asks which frees have completed and, if none
+//   will do, grows instead (waiting only once the upstream cannot supply). A stream waits for a given recording of
 //   another stream's event once, not once per block. `stream_stats()` counts what the pool did:
 //   blocks that crossed streams, event records, queries, stream waits (and those skipped),
 //   host waits, device synchronisations, chunks taken and given back.
@@ -111,6 +113,18 @@
 
 namespace cudamem {
 
+/// Whether a request may take memory freed on another stream before that free is known
+/// complete (pool_options::stream_reuse; see the contract).
+enum class stream_reuse_policy {
+  /// Yes: the request's stream waits for it on the device (cudaStreamWaitEvent). The pool
+  /// holds no more than its blocks need; streams that take each other's memory run in turn.
+  wait,
+  /// No: only memory freed on the requesting stream, or known complete (the pool asks); else
+  /// the pool grows, and waits only when the upstream cannot supply. Streams keep their
+  /// overlap; the pool holds about as much as the streams have in flight at once.
+  when_complete,
+};
+
 /// How a `pool_resource` grows; see the contract above.
 struct pool_options {
   std::size_t initial_size = 0;                                    ///< reserved at construction
@@ -139,6 +153,10 @@ struct pool_options {
   /// a pool keeps its chunks, and where its blocks land costs it nothing. vm_pool turns it on
   /// (vm_pool_chunking): there, chunks left wholly free are memory for anyone.
   bool cache_follows_use = false;
+  /// Memory freed on another stream and not yet known complete: waited for, or left alone
+  /// while the upstream can supply (stream_reuse_policy). A value outside the enumeration
+  /// throws std::invalid_argument.
+  stream_reuse_policy stream_reuse = stream_reuse_policy::wait;
 };
 
 /// What a pool_resource did to keep stream order, since it was made (stream_stats()): counts
@@ -286,9 +304,24 @@ class pool_resource final : public memory_resource, private detail::stream_liste
           home.mutex.unlock();
           return reinterpret_cast<void*>(b->address);
         }
-        const std::lock_guard lock(home.mutex, std::adopt_lock);
-        return home.hand_out_cached(policy_, b, size, alignment, stream);
+        return allocate_cached_slow(home, b, bytes, size, alignment, stream);
       }
+    }
+    return allocate_uncached(home, bytes, size, alignment, stream);
+  }
+
+  /// A cache hit whose block has frees pending on another stream. Called with home's lock
+  /// held; releases it. (Under stream_reuse_policy::when_complete the cache may decline: then
+  /// the request goes on as a miss.)
+  [[gnu::noinline]] void* allocate_cached_slow(shard& home, block* b, std::size_t bytes,
+                                               std::size_t size, std::size_t alignment,
+                                               const stream_view* stream) {
+    {
+      std::unique_lock lock(home.mutex, std::adopt_lock);
+      if (void* p = home.hand_out_cached(policy_, b, size, alignment, stream)) {
+        return p;
+      }
+      lock.release();  // still held: allocate_uncached releases it
     }
     return allocate_uncached(home, bytes, size, alignment, stream);
   }

@@ -15,6 +15,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <random>
@@ -336,6 +337,83 @@ TEST_CASE("pool streams: vm_pool's pool prefers its own stream's blocks too") {
   vm.deallocate(keep, 4 * KiB, 256, C);
 }
 
+TEST_CASE("pool streams: bad stream_reuse values are refused") {
+  simulated_resource device;
+  CHECK_THROWS_AS(pool_resource(device, {.stream_reuse = static_cast<stream_reuse_policy>(7)}),
+                  std::invalid_argument);
+  vm_pool_options o;
+  o.pool.stream_reuse = static_cast<stream_reuse_policy>(-1);
+  CHECK_THROWS_AS(vm_pool_resource(std::make_unique<detail::simulated_vm_mapping>(), o),
+                  std::invalid_argument);
+  CHECK_NOTHROW(pool_resource(device, {.stream_reuse = stream_reuse_policy::when_complete}));
+}
+
+TEST_CASE("pool streams: when_complete grows rather than wait, and reuses once the free is "
+          "known complete") {
+  host_stream_events events;
+  const detail::scoped_pool_stream_events use{events};
+  simulated_resource device;
+  pool_resource pool{device, one_shard({.small_chunk_size = 4 * MiB,
+                                        .stream_reuse = stream_reuse_policy::when_complete})};
+
+  // B fills the one small chunk and frees it all: every byte has B's work pending.
+  std::vector<void*> on_b;
+  for (int i = 0; i < 4; ++i) {
+    on_b.push_back(pool.allocate(MiB, 256, B));
+  }
+  for (void* p : on_b) {
+    pool.deallocate(p, MiB, 256, B);
+  }
+  CHECK(pool.stream_stats().upstream_allocations == 1);
+
+  // A's request: nothing it may have without a wait, so a new chunk.
+  void* a1 = pool.allocate(MiB, 256, A);
+  CHECK(std::find(on_b.begin(), on_b.end(), a1) == on_b.end());
+  CHECK(pool.stream_stats().upstream_allocations == 2);
+  CHECK(events.calls().wait == 0);
+  // B's own request needs no wait either (its own memory, or the new chunk's), nor growth.
+  void* b1 = pool.allocate(MiB, 256, B);
+  CHECK(pool.stream_stats().upstream_allocations == 2);
+  CHECK(events.calls().wait == 0);
+
+  // The device catches up: B's frees are complete, and A may have B's memory with no wait.
+  events.complete_all();
+  void* a2 = pool.allocate(MiB, 256, A);
+  void* a3 = pool.allocate(MiB, 256, A);
+  void* a4 = pool.allocate(MiB, 256, A);
+  void* a5 = pool.allocate(MiB, 256, A);
+  CHECK(pool.stream_stats().upstream_allocations == 2);
+  CHECK(events.calls().wait == 0);
+  CHECK(pool.stream_stats().stream_waits == 0);
+  for (void* p : {a1, a2, a3, a4, a5}) {
+    pool.deallocate(p, MiB, 256, A);
+  }
+  pool.deallocate(b1, MiB, 256, B);
+}
+
+TEST_CASE("pool streams: when_complete waits after all when the upstream cannot supply") {
+  host_stream_events events;
+  const detail::scoped_pool_stream_events use{events};
+  simulated_resource device;
+  pool_resource pool{device, one_shard({.maximum_size = 4 * MiB, .small_chunk_size = 4 * MiB,
+                                        .stream_reuse = stream_reuse_policy::when_complete})};
+  void* kept = pool.allocate(MiB, 256, C);  // the chunk is never wholly free: not given back
+  std::vector<void*> on_b;
+  for (int i = 0; i < 3; ++i) {
+    on_b.push_back(pool.allocate(MiB, 256, B));
+  }
+  for (void* p : on_b) {
+    pool.deallocate(p, MiB, 256, B);
+  }
+  void* a = pool.allocate(MiB, 256, A);  // no room to grow: B's memory, with a wait
+  CHECK(reinterpret_cast<std::uintptr_t>(a) >= reinterpret_cast<std::uintptr_t>(on_b[0]));
+  CHECK(events.calls().wait == 1);
+  CHECK(events.last_wait().stream == A);
+  CHECK(pool.stream_stats().upstream_allocations == 1);
+  pool.deallocate(a, MiB, 256, A);
+  pool.deallocate(kept, MiB, 256, C);
+}
+
 namespace {
 
 /// A model device for the random test: it knows, for each event, which frees (by stream and
@@ -468,9 +546,12 @@ TEST_CASE("pool streams: random work on four streams never reuses memory before 
   const detail::scoped_pool_stream_events use{events};
   simulated_resource device;
   const std::vector<cudaStream_t> streams = {A, B, C, fake_stream(4)};
-  for (const bool cache_follows_use : {false, true}) {
+  for (const int variant : {0, 1, 2}) {
+    const bool cache_follows_use = variant == 1;
+    const stream_reuse_policy reuse =
+        variant == 2 ? stream_reuse_policy::when_complete : stream_reuse_policy::wait;
     pool_resource pool{device, {.small_chunk_size = 4 * MiB, .shards = 2,
-                                .cache_follows_use = cache_follows_use}};
+                                .cache_follows_use = cache_follows_use, .stream_reuse = reuse}};
     struct live {
       void* p;
       std::size_t bytes;  ///< asked for
@@ -525,9 +606,11 @@ TEST_CASE("pool streams: random work on four streams never reuses memory before 
     CHECK(violations == 0);
     CHECK(cross_checks > 1000);
     const pool_stream_stats s = pool.stream_stats();
-    CHECK(s.cross_stream_blocks > 0);
     CHECK(s.preferred_blocks > 0);
-    CHECK(s.waits_skipped > 0);
-    CHECK(s.stream_waits > 0);
+    if (reuse == stream_reuse_policy::wait) {
+      CHECK(s.cross_stream_blocks > 0);
+      CHECK(s.waits_skipped > 0);
+      CHECK(s.stream_waits > 0);
+    }
   }
 }

@@ -187,7 +187,7 @@ class chunk_set {
       const std::lock_guard lock(sh.mutex);
       sh.flush_cache();
       for (pool_tier other : {t, t == small_tier ? large_tier : small_tier}) {
-        if (void* p = sh.take(*policy_, other, size, alignment, stream, true)) {
+        if (void* p = sh.take(*policy_, other, size, alignment, stream, {.any_block = true})) {
           return p;
         }
       }

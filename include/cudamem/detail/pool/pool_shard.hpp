@@ -114,6 +114,11 @@ struct pool_policy {
   static constexpr unsigned ready_cache_depth = 8;
   static constexpr unsigned ready_heap_classes = 8;
   static constexpr unsigned ready_heap_depth = 4;
+  /// stream_reuse::when_complete: reuse only what needs no wait, else grow (see pool_options).
+  bool reuse_when_complete = false;
+  /// ...and look further for it, since the alternative is more memory.
+  static constexpr unsigned complete_heap_classes = 64;
+  static constexpr unsigned complete_heap_depth = 8;
 
   /// The policy of a pool with options `o` (a validated pool_options) over `upstream`.
   template <class Options>
@@ -135,6 +140,7 @@ struct pool_policy {
                        (upstream.kind() != memory_kind::host &&
                         !(upstream.kind() == memory_kind::device && upstream.device() < 0));
     p.device = upstream.device();
+    p.reuse_when_complete = o.stream_reuse == decltype(o.stream_reuse)::when_complete;
     const pool_stream_choices choices = current_pool_stream_choices();
     p.prefers_ready = choices.prefer_ready;
     p.remembers_waits = choices.remember_waits;
@@ -183,6 +189,15 @@ struct pool_policy {
   }
 };
 
+/// How pool_shard::take may choose: `any_block` also cuts a free block much larger than the
+/// request (pool_policy::oversize_limit) and, under stream_reuse_policy::when_complete, one
+/// that needs a wait (the last resort before out_of_memory); `ready_only`: only a block that
+/// needs no wait for the stream, of at most twice the request (the cache has another in hand).
+struct pool_take_mode {
+  bool any_block = false;
+  bool ready_only = false;
+};
+
 /// One shard; see the header comment. Public members: pool_resource's inline fast paths use
 /// them directly.
 struct alignas(64) pool_shard {
@@ -198,23 +213,35 @@ struct alignas(64) pool_shard {
       : ledger(*policy.events, policy.device, policy.remembers_waits) {}
 
   /// A block of `size` bytes (rounded to the granule) from tier `t`, made ready for `stream`,
-  /// or nullptr. `any_block`: also cut a free block much larger than the request (see
-  /// pool_policy::oversize_limit). `ready_only` (streams tracked): only a block that needs no
-  /// wait for `stream`, of at most twice the request, else nullptr.
+  /// or nullptr (see take_mode).
   void* take(const pool_policy& policy, pool_tier t, std::size_t size, std::size_t alignment,
-             const stream_view* stream, bool any_block = false, bool ready_only = false) {
+             const stream_view* stream, pool_take_mode mode = {}) {
     live.reserve_one();  // the only step that can fail for want of host memory: do it first
     const std::size_t largest_split =
-        any_block ? std::numeric_limits<std::size_t>::max() : policy.oversize_limit(size);
+        mode.any_block ? std::numeric_limits<std::size_t>::max() : policy.oversize_limit(size);
     pool_block* b = nullptr;
     if (policy.tracks_streams && policy.prefers_ready) {  // one needing no wait (header comment)
+      // Under when_complete nothing that needs a wait will do (but as the last resort): learn
+      // what completed before looking, and look further.
+      const bool complete_only = policy.reuse_when_complete && !mode.any_block;
+      if (complete_only) {
+        if (const pool_block* first = tiers[t].peek(size, alignment);
+            first != nullptr && !first->tag.empty() && !ledger.ready_for(first->tag, stream)) {
+          ledger.refresh(stream);
+        }
+      }
+      tlsf_reach reach{pool_policy::ready_heap_classes, pool_policy::ready_heap_depth,
+                       mode.ready_only || complete_only, !complete_only};
+      if (complete_only) {
+        reach.classes = pool_policy::complete_heap_classes;
+        reach.depth = pool_policy::complete_heap_depth;
+      }
       bool switched = false;
       b = tiers[t].allocate(
           size, alignment, largest_split,
           [&](const pool_block& c) { return c.tag.empty() || ledger.ready_for(c.tag, stream); },
-          {pool_policy::ready_heap_classes, pool_policy::ready_heap_depth}, &switched,
-          ready_only);
-      ledger.counters().preferred_blocks += switched && !ready_only ? 1 : 0;
+          reach, &switched);
+      ledger.counters().preferred_blocks += switched && !mode.ready_only ? 1 : 0;
     } else {
       b = tiers[t].allocate(size, alignment, largest_split);
     }
@@ -240,11 +267,19 @@ struct alignas(64) pool_shard {
 
   /// From the heap of tier `t`, else after flushing cached blocks — largest first, only until
   /// one merges into a free block of that tier that can hold the request (a miss then costs a
-  /// few cached blocks, not the whole cache) — or nullptr: the pool must grow.
+  /// few cached blocks, not the whole cache; under when_complete, one that needs no wait) — or
+  /// nullptr: the pool must grow.
   void* take_flushing(const pool_policy& policy, pool_tier t, std::size_t size,
                       std::size_t alignment, const stream_view* stream) {
     if (void* p = take(policy, t, size, alignment, stream)) {
       return p;
+    }
+    const bool complete_only = policy.tracks_streams && policy.reuse_when_complete;
+    // Under when_complete the alternative is growth: first learn what completed since.
+    if (complete_only && ledger.refresh(stream, true)) {
+      if (void* p = take(policy, t, size, alignment, stream)) {
+        return p;
+      }
     }
     const std::size_t needed =
         size + (alignment > pool_policy::granule ? alignment - pool_policy::granule : 0);
@@ -252,7 +287,8 @@ struct alignas(64) pool_shard {
       cached.drain_until([&](pool_block* c) {
         live.erase(c->address);
         const pool_block* merged = tiers[c->region->owner].free(c);
-        return merged->region->owner == t && merged->size >= needed;
+        return merged->region->owner == t && merged->size >= needed &&
+               (!complete_only || merged->tag.empty() || ledger.ready_for(merged->tag, stream));
       });
       if (void* p = take(policy, t, size, alignment, stream)) {
         return p;
@@ -264,32 +300,38 @@ struct alignas(64) pool_shard {
   /// Hands out `b`, just popped from the cache (still in `live`) for a request of `size` bytes
   /// at `alignment`, whose pending frees need an event check. If b would need a wait, a block
   /// that needs none goes out instead — from the same stacks, else from the heap (at most
-  /// twice the request) — and b back on top of its stack (header comment). On failure the
-  /// block goes back to the cache.
+  /// twice the request) — and b back on top of its stack (header comment). Under
+  /// when_complete, if there is none, b goes back too and the result is nullptr (the caller
+  /// goes on as on a miss). On failure the block goes back to the cache.
   void* hand_out_cached(const pool_policy& policy, pool_block* b, std::size_t size,
                         std::size_t alignment, const stream_view* stream) {
     if (policy.prefers_ready && !ledger.ready_for(b->tag, stream)) {
-      pool_block* other = cached.pop_if(
-          size, alignment - 1,
-          [&](const pool_block& c) { return c.tag.empty() || ledger.ready_for(c.tag, stream); },
-          pool_policy::ready_cache_depth);
-      if (other != nullptr) {
-        cached.push(b);
-        ++ledger.counters().preferred_blocks;
-        b = other;
-      } else {
-        void* p = nullptr;
-        try {
-          p = take(policy, policy.tier_of(size), size, alignment, stream, false, true);
-        } catch (const std::bad_alloc&) {  // no host memory for the heap's nodes: b will do
-        } catch (...) {
-          cached.push(b);
-          throw;
-        }
-        if (p != nullptr) {
+      if (policy.reuse_when_complete) {
+        ledger.refresh(stream);
+      }
+      if (!ledger.ready_for(b->tag, stream)) {
+        pool_block* other = cached.pop_if(
+            size, alignment - 1,
+            [&](const pool_block& c) { return c.tag.empty() || ledger.ready_for(c.tag, stream); },
+            pool_policy::ready_cache_depth);
+        if (other != nullptr) {
           cached.push(b);
           ++ledger.counters().preferred_blocks;
-          return p;
+          b = other;
+        } else {
+          void* p = nullptr;
+          try {
+            p = take(policy, policy.tier_of(size), size, alignment, stream, {.ready_only = true});
+          } catch (const std::bad_alloc&) {  // no host memory for the heap's nodes: b will do
+          } catch (...) {
+            cached.push(b);
+            throw;
+          }
+          if (p != nullptr || policy.reuse_when_complete) {
+            cached.push(b);
+            ledger.counters().preferred_blocks += p != nullptr ? 1 : 0;
+            return p;
+          }
         }
       }
     }
@@ -385,6 +427,11 @@ template <class Options>
   }
   if (o.initial_size > o.maximum_size) {
     fail("initial_size exceeds maximum_size");
+  }
+  using reuse = decltype(o.stream_reuse);
+  if (o.stream_reuse != reuse::wait && o.stream_reuse != reuse::when_complete) {
+    fail("stream_reuse must be stream_reuse::wait or stream_reuse::when_complete, not " +
+         std::to_string(static_cast<int>(o.stream_reuse)));
   }
   return o;
 }

@@ -311,6 +311,34 @@ class stream_ledger {
     pending.clear();
   }
 
+  /// Learns which other streams' frees are complete by now: queries the event of every stream
+  /// (but `requester`) with frees not known complete, recording it first where no record
+  /// covers them yet. Returns whether it learnt anything. Unless `always`, at most once in a
+  /// run of requests on one stream (the first request of a stream-step whose first pick would
+  /// need a wait); `always` before the pool grows instead of waiting (growth costs far more).
+  bool refresh(const stream_view* requester, bool always = false) {
+    const cudaStream_t who = requester != nullptr ? requester->get() : nullptr;
+    if (!always && requester != nullptr && refreshed_for_ == who) {
+      return false;
+    }
+    refreshed_for_ = who;
+    bool learnt = false;
+    for (auto& rec : streams_) {
+      if (rec->frees <= rec->done || (requester != nullptr && rec->is(*requester))) {
+        continue;
+      }
+      if (rec->event_covers < rec->frees) {
+        record_event(*rec);
+      }
+      ++counters_.event_queries;
+      if (driver_->query(rec->event)) {
+        learnt = learnt || rec->done < rec->event_covers;
+        rec->done = std::max(rec->done, rec->event_covers);
+      }
+    }
+    return learnt;
+  }
+
   /// `s` is about to be destroyed: records an event covering its frees (if any is not yet
   /// covered) and stops using its record for new frees; waits it made are forgotten. Throws
   /// cuda_error.
@@ -376,6 +404,7 @@ class stream_ledger {
   bool remember_waits_;
   std::vector<std::unique_ptr<stream_record>> streams_;
   stream_record* last_ = nullptr;
+  cudaStream_t refreshed_for_ = nullptr;  ///< the stream refresh() last ran for
   stream_counters counters_;
 };
 

@@ -65,11 +65,15 @@ struct no_tag {
   void absorb(const no_tag& /*other*/) noexcept {}
 };
 
-/// How far allocate() looks for a block its caller prefers: `classes` non-empty size classes
-/// at or above the first whose every block fits, `depth` blocks of each.
+/// How allocate() looks for a block its caller prefers: `classes` non-empty size classes at
+/// or above the first whose every block fits, `depth` blocks of each; `only`: a preferred
+/// block or none (nullptr); `within_twice`: never a preferred block more than twice the
+/// request (or than the usual pick, when that is larger and `only` is off).
 struct tlsf_reach {
   unsigned classes = 8;
   unsigned depth = 4;
+  bool only = false;
+  bool within_twice = true;
 };
 
 template <class Tag>
@@ -230,14 +234,24 @@ class tlsf_heap {
                     nullptr);
   }
 
+  /// The free block allocate(bytes, alignment) would cut first (before any preference), or
+  /// nullptr; changes nothing.
+  [[nodiscard]] const block* peek(std::size_t bytes, std::size_t alignment) const noexcept {
+    const std::size_t size = round_up(bytes);
+    const std::size_t padding = alignment > granule_ ? alignment - granule_ : 0;
+    if (size == 0 || size > std::numeric_limits<std::size_t>::max() - padding) {
+      return nullptr;
+    }
+    return find_free(size + padding, size, alignment);
+  }
+
   /// The same, but when `prefer(const block&)` refuses the usual pick, the first block within
-  /// `reach` that it accepts (see the header comment); `*switched` (if given) says whether
-  /// that happened. `preferred_only`: a block prefer() accepts, of at most twice the request,
-  /// or nullptr (the caller has another block in hand and wants this one only if it is better).
+  /// `reach` that it accepts (see the header comment and tlsf_reach); `*switched` (if given)
+  /// says whether that happened.
   template <class Prefer>
   [[nodiscard]] block* allocate(std::size_t bytes, std::size_t alignment,
                                 std::size_t largest_split, Prefer&& prefer, tlsf_reach reach,
-                                bool* switched, bool preferred_only = false) {
+                                bool* switched) {
     const std::size_t size = round_up(bytes);
     if (size == 0) {
       return nullptr;  // bytes == 0 or rounding overflowed: nothing can hold it
@@ -254,14 +268,16 @@ class tlsf_heap {
     const std::size_t twice = size + padding > std::numeric_limits<std::size_t>::max() / 2
                                   ? std::numeric_limits<std::size_t>::max()
                                   : 2 * (size + padding);
-    const std::size_t cap = std::min(largest_split, preferred_only ? twice : std::max(b->size, twice));
+    const std::size_t cap =
+        !reach.within_twice ? largest_split
+                            : std::min(largest_split, reach.only ? twice : std::max(b->size, twice));
     if (b->size > cap || !prefer(static_cast<const block&>(*b))) {
       if (block* other = find_preferred(size + padding, size, alignment, cap, prefer, reach)) {
         b = other;
         if (switched != nullptr) {
           *switched = true;
         }
-      } else if (preferred_only) {
+      } else if (reach.only) {
         return nullptr;
       }
     }
