@@ -220,16 +220,12 @@ struct alignas(64) pool_shard {
     const std::size_t largest_split =
         mode.any_block ? std::numeric_limits<std::size_t>::max() : policy.oversize_limit(size);
     pool_block* b = nullptr;
-    if (policy.tracks_streams && policy.prefers_ready) {  // one needing no wait (header comment)
-      // Under when_complete nothing that needs a wait will do (but as the last resort): learn
-      // what completed before looking, and look further.
+    if (!policy.tracks_streams || !policy.prefers_ready) [[likely]] {
+      b = tiers[t].allocate(size, alignment, largest_split);
+    } else {  // prefer a block that needs no wait (header comment)
+      // Under when_complete nothing that needs a wait will do (but as the last resort): look
+      // further (take_flushing asks what completed before the pool grows).
       const bool complete_only = policy.reuse_when_complete && !mode.any_block;
-      if (complete_only) {
-        if (const pool_block* first = tiers[t].peek(size, alignment);
-            first != nullptr && !first->tag.empty() && !ledger.ready_for(first->tag, stream)) {
-          ledger.refresh(stream);
-        }
-      }
       tlsf_reach reach{pool_policy::ready_heap_classes, pool_policy::ready_heap_depth,
                        mode.ready_only || complete_only, !complete_only};
       if (complete_only) {
@@ -242,8 +238,6 @@ struct alignas(64) pool_shard {
           [&](const pool_block& c) { return c.tag.empty() || ledger.ready_for(c.tag, stream); },
           reach, &switched);
       ledger.counters().preferred_blocks += switched && !mode.ready_only ? 1 : 0;
-    } else {
-      b = tiers[t].allocate(size, alignment, largest_split);
     }
     if (b == nullptr) {
       return nullptr;

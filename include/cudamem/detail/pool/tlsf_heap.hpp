@@ -230,19 +230,20 @@ class tlsf_heap {
   /// would rather get fresh memory than leave a large remainder pinned by a long-lived block.
   [[nodiscard]] block* allocate(std::size_t bytes, std::size_t alignment,
                                 std::size_t largest_split = std::numeric_limits<std::size_t>::max()) {
-    return allocate(bytes, alignment, largest_split, [](const block&) { return true; }, {},
-                    nullptr);
-  }
-
-  /// The free block allocate(bytes, alignment) would cut first (before any preference), or
-  /// nullptr; changes nothing.
-  [[nodiscard]] const block* peek(std::size_t bytes, std::size_t alignment) const noexcept {
     const std::size_t size = round_up(bytes);
+    if (size == 0) {
+      return nullptr;  // bytes == 0 or rounding overflowed: nothing can hold it
+    }
     const std::size_t padding = alignment > granule_ ? alignment - granule_ : 0;
-    if (size == 0 || size > std::numeric_limits<std::size_t>::max() - padding) {
+    if (size > std::numeric_limits<std::size_t>::max() - padding) {
       return nullptr;
     }
-    return find_free(size + padding, size, alignment);
+    reserve_nodes(2);  // the two splits below must not fail half-way
+    block* b = find_free(size + padding, size, alignment);
+    if (b == nullptr || b->size > largest_split) {
+      return nullptr;
+    }
+    return hand_out(b, size, alignment);
   }
 
   /// The same, but when `prefer(const block&)` refuses the usual pick, the first block within
@@ -281,21 +282,7 @@ class tlsf_heap {
         return nullptr;
       }
     }
-    const std::size_t front = aligned_offset(b->address, alignment);
-    if (front == 0 && b->size > size && !is_whole_region(b) &&
-        same_class(b->size, b->size - size)) {
-      return cut_below(b, size);  // the rest keeps b's node and its place in its list
-    }
-    remove_free(b);
-    if (front != 0) {  // give the bytes below the aligned address back as a free block
-      block* aligned = split(b, front);
-      insert_free(b);
-      b = aligned;
-    }
-    if (b->size > size) {
-      insert_free(split(b, size));
-    }
-    return b;  // remove_free marked it in use
+    return hand_out(b, size, alignment);
   }
 
   /// Returns a block; merges it with free neighbours. Returns the resulting free block.
@@ -392,7 +379,8 @@ class tlsf_heap {
   }
 
   /// A free block that can hold `needed` bytes (`size` bytes at `alignment`), or nullptr.
-  block* find_free(std::size_t needed, std::size_t size, std::size_t alignment) const noexcept {
+  [[gnu::always_inline]] block* find_free(std::size_t needed, std::size_t size,
+                                          std::size_t alignment) const noexcept {
     // Near best fit: a block of the request's own class may already be large enough.
     const size_class own = class_of(needed);
     unsigned probes = 0;
@@ -419,6 +407,26 @@ class tlsf_heap {
     }
     c.second = static_cast<unsigned>(std::countr_zero(second_map));
     return heads_[c.first][c.second];
+  }
+
+  /// Cuts `size` bytes at `alignment` out of free block `b` (which holds them) and returns
+  /// them as an in-use block; the rest stays free. Nodes for two splits are reserved.
+  [[gnu::always_inline]] block* hand_out(block* b, std::size_t size, std::size_t alignment) noexcept {
+    const std::size_t front = aligned_offset(b->address, alignment);
+    if (front == 0 && b->size > size && !is_whole_region(b) &&
+        same_class(b->size, b->size - size)) {
+      return cut_below(b, size);  // the rest keeps b's node and its place in its list
+    }
+    remove_free(b);
+    if (front != 0) {  // give the bytes below the aligned address back as a free block
+      block* aligned = split(b, front);
+      insert_free(b);
+      b = aligned;
+    }
+    if (b->size > size) {
+      insert_free(split(b, size));
+    }
+    return b;  // remove_free marked it in use
   }
 
   /// A free block that can hold `needed` bytes (`size` at `alignment`), of at most `cap`
