@@ -2,10 +2,11 @@
 // stream gets when blocks freed on other streams are about, and which CUDA calls that costs.
 // The pools here track streams over simulated memory with a model of the device's event calls
 // (detail::host_stream_events: an event completes only when the test says so), so each test
-// can say exactly which waits a request must produce. The last test replays random work on
-// four streams and checks, at every allocation, the contract itself: memory last freed on
-// another stream is handed out only once that free is known complete or the requesting
-// stream waits for it.
+// can say exactly which waits a request must produce; pool_options::stream_reuse =
+// when_complete (grow rather than wait) and its bad values too. The last test replays random
+// work on four streams (waiting, the cache following use, when_complete) and checks, at every
+// allocation, the contract itself: memory last freed on another stream is handed out only once
+// that free is known complete or the requesting stream waits for it.
 #include <cudamem/detail/pool/stream_events.hpp>
 #include <cudamem/pool_resource.hpp>
 #include <cudamem/simulated_resource.hpp>
