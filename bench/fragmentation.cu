@@ -11,6 +11,9 @@
 //
 //   ./run bench fragmentation               # on a GPU: ~3-4 minutes on an 80 GB H100
 //   ./run bench fragmentation --simulated   # no GPU: an 80 GiB simulated device, seconds
+//   bench_fragmentation --simulated --stream-model busy   # ... with the pools tracking streams
+//                     # over a model device (issue 39): `busy`, `idle`, or `pre39` (busy, the
+//                     # pools choosing blocks as before issue 39)
 //   bench_fragmentation --only vm_pool --detail   # one allocator; where its time goes
 //   bench_fragmentation --only vm_pool --variant bench,wide --seeds 42,1,2   # just those rows
 //   bench_fragmentation --only vm_pool --pause-ms 2000   # cold runs start 2 s after a release
@@ -44,6 +47,7 @@
 // otherwise). Every allocator is destroyed, and the device's free memory checked, before the
 // next starts. Lines are printed (and flushed) as they are measured. With no GPU and no
 // --simulated it prints one line and exits 69.
+#include <cudamem/detail/pool/stream_events.hpp>
 #include <cudamem/detail/vm/driver_mapping.hpp>
 #include <cudamem/device_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
@@ -955,6 +959,7 @@ std::vector<std::string> split_list(const std::string& text) {
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress shows even through a pipe
   bool simulated = false;
+  std::string stream_model;  ///< --stream-model (with --simulated): empty, busy, idle, pre39
   selection what;
   std::string variant_list = "all";
   const auto usage = [] {
@@ -962,7 +967,8 @@ int main(int argc, char** argv) {
                  "usage: bench_fragmentation [--simulated] [--detail] [--only NAME] [--vm-runs N]\n"
                  "         [--pause-ms N] [--grow-ahead-mib N] [--grow-ahead-floor-mib N]\n"
                  "         [--growth-mib N]\n"
-                 "         [--simulated-driver-us C,A] [--variants-only]\n"
+                 "         [--simulated-driver-us C,A] [--stream-model busy|idle|pre39]\n"
+                 "         [--variants-only]\n"
                  "         [--variant all|none|NAME[,NAME...]] [--seeds N[,N...]]\n"
                  "variants:");
     for (const mixed_variant& v : mixed_variants()) {
@@ -995,6 +1001,11 @@ int main(int argc, char** argv) {
       }
       sim_create_us = static_cast<unsigned>(std::atoi(us[0].c_str()));
       sim_access_us = static_cast<unsigned>(std::atoi(us[1].c_str()));
+    } else if (arg == "--stream-model" && i + 1 < argc) {
+      stream_model = argv[++i];
+      if (stream_model != "busy" && stream_model != "idle" && stream_model != "pre39") {
+        return usage();
+      }
     } else if (arg == "--variants-only") {
       what.variants_only = true;
     } else if (arg == "--vm-runs" && i + 1 < argc) {
@@ -1033,6 +1044,22 @@ int main(int argc, char** argv) {
     }
   }
   if (simulated) {
+    // --stream-model: the pools over simulated memory track streams too, their event calls
+    // answered by a model device (issue 39) that is `busy` (no free on another stream completes
+    // until a device synchronisation) or `idle` (every event complete when asked); `pre39`:
+    // busy, with the pools choosing blocks as before issue 39. Where blocks land then depends
+    // on streams (the streams4 variant and the main table's vm_pool, which run on four).
+    cudamem::detail::host_stream_events model;
+    std::optional<cudamem::detail::scoped_pool_stream_events> use;
+    std::optional<cudamem::detail::scoped_pool_stream_choices> choices;
+    if (!stream_model.empty()) {
+      model.complete_at_record(stream_model == "idle");
+      use.emplace(model);
+      if (stream_model == "pre39") {
+        choices.emplace(cudamem::detail::pool_stream_choices{false, false});
+      }
+      std::printf("stream model: %s\n", stream_model.c_str());
+    }
     run_simulated(what);
     return 0;
   }

@@ -7,6 +7,7 @@
 //   auto cub = cudamem_bench::make_cub_peer();    // cub::CachingDeviceAllocator(8, 3, 22, 64 GiB)
 //   cudamem_bench::cub_worker c{cub.get(), stream};
 //   double m = cudamem_bench::median(samples);
+//   auto d = cudamem_bench::difference(pool.stream_stats(), before);  // counts over a span
 //
 // Peers (DESIGN.md): cudaMalloc/cudaFree; cudaMallocAsync/cudaFreeAsync on the device's
 // default memory pool with release threshold UINT64_MAX (so it never gives memory back while
@@ -18,6 +19,7 @@
 
 #include <cudamem/arena_resource.hpp>
 #include <cudamem/memory_resource.hpp>
+#include <cudamem/pool_resource.hpp>
 
 #include <cub/util_allocator.cuh>
 
@@ -47,6 +49,23 @@ inline double median(std::vector<double> samples) {
   }
   std::sort(samples.begin(), samples.end());
   return samples[samples.size() / 2];
+}
+
+/// `after` - `before`, count by count: what a pool did over a span of a benchmark.
+inline cudamem::pool_stream_stats difference(const cudamem::pool_stream_stats& after,
+                                             const cudamem::pool_stream_stats& before) {
+  cudamem::pool_stream_stats d;
+  d.cross_stream_blocks = after.cross_stream_blocks - before.cross_stream_blocks;
+  d.preferred_blocks = after.preferred_blocks - before.preferred_blocks;
+  d.event_records = after.event_records - before.event_records;
+  d.event_queries = after.event_queries - before.event_queries;
+  d.stream_waits = after.stream_waits - before.stream_waits;
+  d.waits_skipped = after.waits_skipped - before.waits_skipped;
+  d.host_waits = after.host_waits - before.host_waits;
+  d.device_syncs = after.device_syncs - before.device_syncs;
+  d.upstream_allocations = after.upstream_allocations - before.upstream_allocations;
+  d.upstream_returns = after.upstream_returns - before.upstream_returns;
+  return d;
 }
 
 // --- workers: one stream's view of an allocator ---------------------------------------------------

@@ -45,6 +45,15 @@
 //   remembers up to 4 streams, and one freed on more is handed out after a device-wide sync.
 //   Frees on cudaStreamPerThread record their event at once (another thread cannot name that
 //   stream later).
+// - Which block, across streams. When the block a request would get needs a wait for another
+//   stream's work, the pool looks a little further for one that needs none (freed on the
+//   requesting stream, known complete, or already waited for) and takes it instead; only when
+//   there is none does the request's stream wait — or, with `stream_reuse =
+//   stream_reuse_policy::when_complete`, the pool asks which frees have completed and, if none
+//   will do, grows instead (waiting only once the upstream cannot supply). A stream waits for a given recording of
+//   another stream's event once, not once per block. `stream_stats()` counts what the pool did:
+//   blocks that crossed streams, event records, queries, stream waits (and those skipped),
+//   host waits, device synchronisations, chunks taken and given back.
 // - Events are recorded lazily, so the pool remembers the streams it owes an event on. A
 //   `cudamem::stream` tells the pool when it is destroyed (the pool settles up then, while
 //   the handle is still valid); a raw cudaStream_t you destroy yourself must first be passed
@@ -74,7 +83,9 @@
 // - detail/pool/pool_shard.hpp      a shard: lock, two TLSF heaps (small and large tier), the
 //                                   front-end cache of whole freed blocks, the live-block map;
 //                                   a thread always starts at its own shard
-// - detail/pool/stream_ledger.hpp   stream order: per-stream free counts, lazy events, tags
+// - detail/pool/stream_ledger.hpp   stream order: per-stream free counts, lazy events, tags,
+//                                   the waits each stream already made
+// - detail/pool/stream_events.hpp   the CUDA calls behind stream order (a host model for tests)
 // - detail/pool/chunk_set.hpp       chunks from the upstream: growth, the out-of-memory
 //                                   fallbacks, release; which shard owns which chunk
 // - detail/pool/tlsf_heap.hpp, block_cache.hpp, address_map.hpp: the data structures
@@ -102,6 +113,18 @@
 #include <vector>
 
 namespace cudamem {
+
+/// Whether a request may take memory freed on another stream before that free is known
+/// complete (pool_options::stream_reuse; see the contract).
+enum class stream_reuse_policy {
+  /// Yes: the request's stream waits for it on the device (cudaStreamWaitEvent). The pool
+  /// holds no more than its blocks need; streams that take each other's memory run in turn.
+  wait,
+  /// No: only memory freed on the requesting stream, or known complete (the pool asks); else
+  /// the pool grows, and waits only when the upstream cannot supply. Streams keep their
+  /// overlap; the pool holds about as much as the streams have in flight at once.
+  when_complete,
+};
 
 /// How a `pool_resource` grows; see the contract above.
 struct pool_options {
@@ -131,6 +154,25 @@ struct pool_options {
   /// a pool keeps its chunks, and where its blocks land costs it nothing. vm_pool turns it on
   /// (vm_pool_chunking): there, chunks left wholly free are memory for anyone.
   bool cache_follows_use = false;
+  /// Memory freed on another stream and not yet known complete: waited for, or left alone
+  /// while the upstream can supply (stream_reuse_policy). A value outside the enumeration
+  /// throws std::invalid_argument.
+  stream_reuse_policy stream_reuse = stream_reuse_policy::wait;
+};
+
+/// What a pool_resource did to keep stream order, since it was made (stream_stats()): counts
+/// summed over its shards. Every count is 0 over memory whose streams are not tracked.
+struct pool_stream_stats {
+  std::uint64_t cross_stream_blocks = 0;  ///< blocks handed out with another stream's frees pending
+  std::uint64_t preferred_blocks = 0;  ///< a block needing no wait taken instead of the first pick
+  std::uint64_t event_records = 0;     ///< cudaEventRecord after frees
+  std::uint64_t event_queries = 0;     ///< cudaEventQuery before a cross-stream reuse
+  std::uint64_t stream_waits = 0;      ///< cudaStreamWaitEvent inserted
+  std::uint64_t waits_skipped = 0;     ///< the stream already waited for those frees: no call
+  std::uint64_t host_waits = 0;        ///< cudaEventSynchronize (the synchronous allocate)
+  std::uint64_t device_syncs = 0;      ///< cudaDeviceSynchronize (wide tags, give-backs)
+  std::uint64_t upstream_allocations = 0;  ///< chunks taken from the upstream
+  std::uint64_t upstream_returns = 0;      ///< chunks given back to it
 };
 
 /// A sharded TLSF pool over any upstream resource; see the contract above.
@@ -142,7 +184,7 @@ class pool_resource final : public memory_resource, private detail::stream_liste
       : memory_resource(upstream.kind(), upstream.device()),
         options_(detail::validated_pool_options(options)),
         policy_(detail::pool_policy::from(options_, upstream)),
-        shards_(detail::make_pool_shards(options_.shards)),
+        shards_(detail::make_pool_shards(options_.shards, policy_)),
         chunks_(upstream, policy_) {
     if (options_.initial_size > 0) {
       std::string cause;
@@ -180,6 +222,29 @@ class pool_resource final : public memory_resource, private detail::stream_liste
       const std::lock_guard lock(sh->mutex);
       sh->ledger.retire(s);
     }
+  }
+
+  /// What the pool did to keep stream order (see the contract). Takes each shard's lock once:
+  /// not for hot loops.
+  [[nodiscard]] pool_stream_stats stream_stats() const {
+    detail::stream_counters c;
+    for (const auto& sh : shards_) {
+      const std::lock_guard lock(sh->mutex);
+      c.add(sh->ledger.counters());
+    }
+    const detail::chunk_set::counts chunks = chunks_.activity();
+    pool_stream_stats s;
+    s.cross_stream_blocks = c.cross_stream_blocks;
+    s.preferred_blocks = c.preferred_blocks;
+    s.event_records = c.event_records;
+    s.event_queries = c.event_queries;
+    s.stream_waits = c.stream_waits;
+    s.waits_skipped = c.waits_skipped;
+    s.host_waits = c.host_waits;
+    s.device_syncs = c.device_syncs + chunks.device_syncs;
+    s.upstream_allocations = chunks.upstream_allocations;
+    s.upstream_returns = chunks.upstream_returns;
+    return s;
   }
 
   [[nodiscard]] const pool_options& options() const noexcept { return options_; }
@@ -247,9 +312,24 @@ class pool_resource final : public memory_resource, private detail::stream_liste
           home.mutex.unlock();
           return reinterpret_cast<void*>(b->address);
         }
-        const std::lock_guard lock(home.mutex, std::adopt_lock);
-        return home.hand_out_cached(policy_, b, stream);
+        return allocate_cached_slow(home, b, bytes, size, alignment, stream);
       }
+    }
+    return allocate_uncached(home, bytes, size, alignment, stream);
+  }
+
+  /// A cache hit whose block has frees pending on another stream. Called with home's lock
+  /// held; releases it. (Under stream_reuse_policy::when_complete the cache may decline: then
+  /// the request goes on as a miss.)
+  [[gnu::noinline]] void* allocate_cached_slow(shard& home, block* b, std::size_t bytes,
+                                               std::size_t size, std::size_t alignment,
+                                               const stream_view* stream) {
+    {
+      std::unique_lock lock(home.mutex, std::adopt_lock);
+      if (void* p = home.hand_out_cached(policy_, b, size, alignment, stream)) {
+        return p;
+      }
+      lock.release();  // still held: allocate_uncached releases it
     }
     return allocate_uncached(home, bytes, size, alignment, stream);
   }

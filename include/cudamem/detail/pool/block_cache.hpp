@@ -7,6 +7,7 @@
 //   block* again = cache.pop(size, alignment - 1);      // size <= again->size <= size + size/8
 //   cache.drain([&](block* c) { heap.free(c); });       // flush: merge them back
 //   cache.drain_until([&](block* c) { return heap.free(c)->size >= n; });  // until room for n
+//   block* mine = cache.pop_if(size, alignment - 1, [&](const block& c) { return ok(c); }, 8);
 //
 // Why (for a student)
 // - Programs free and allocate the same few sizes over and over. A general heap pays for that
@@ -29,6 +30,10 @@
 //   owner's double-free check).
 // - pop(size, mask) returns a block b with size <= b->size <= size + size / 8 and
 //   (b->address & mask) == 0, or nullptr; it looks at three blocks at most.
+// - pop_if(size, mask, wanted, depth) returns a block pop could have returned had it been on
+//   top, for which wanted(b) holds, looking `depth` blocks deep into each of the same three
+//   stacks; or nullptr. (pool_resource: a block another stream freed is on top, and a block
+//   freed on the requesting stream a little further down needs no wait.)
 // - Not thread-safe: the owner locks. Counts and bytes are exact at every moment.
 #pragma once
 
@@ -87,6 +92,36 @@ class block_cache {
       b = heads_[next];
       if (b != nullptr && b->size - size <= size / 8 && (b->address & address_mask) == 0) {
         return unlink(next);
+      }
+    }
+    return nullptr;
+  }
+
+  /// A block as pop would take, but only one for which `wanted(const Block&)` holds, found up
+  /// to `depth` blocks down each stack pop looks at; nullptr when there is none. The stacks
+  /// keep their order otherwise.
+  template <class Wanted>
+  [[nodiscard]] Block* pop_if(std::size_t size, std::uintptr_t address_mask, Wanted&& wanted,
+                              unsigned depth) noexcept {
+    const std::size_t index = class_index(size >> granule_log2_);
+    if (index > top_index_) {
+      return nullptr;
+    }
+    const std::size_t last = index + classes_above < top_index_ ? index + classes_above : top_index_;
+    for (std::size_t i = index; i <= last; ++i) {
+      Block** link = &heads_[i];
+      for (unsigned seen = 0; *link != nullptr && seen < depth; ++seen) {
+        Block* b = *link;
+        const bool fits = i == index ? b->size >= size : b->size - size <= size / 8;
+        if (fits && (b->address & address_mask) == 0 && wanted(static_cast<const Block&>(*b))) {
+          *link = b->next_cached;
+          b->next_cached = nullptr;
+          b->cached = false;
+          bytes_ -= b->size;
+          --count_;
+          return b;
+        }
+        link = &b->next_cached;
       }
     }
     return nullptr;

@@ -36,6 +36,7 @@
 #include <cudamem/out_of_memory.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
@@ -70,6 +71,19 @@ class chunk_set {
       heap = it != directory_.begin() ? std::prev(it)->second.heap : nullptr;
     }
     memory_annotations::add_region(policy_->device, heap, p, bytes);
+  }
+
+  /// What the chunk set did since construction: chunks taken from and given back to the
+  /// upstream, and device-wide synchronisations before a give-back (frees still pending).
+  struct counts {
+    std::uint64_t upstream_allocations = 0;
+    std::uint64_t upstream_returns = 0;
+    std::uint64_t device_syncs = 0;
+  };
+  [[nodiscard]] counts activity() const noexcept {
+    return {upstream_allocations_.load(std::memory_order_relaxed),
+            upstream_returns_.load(std::memory_order_relaxed),
+            device_syncs_.load(std::memory_order_relaxed)};
   }
 
   [[nodiscard]] std::size_t count() const {
@@ -147,6 +161,7 @@ class chunk_set {
       throw;
     }
     reserved_ += size;
+    upstream_allocations_.fetch_add(1, std::memory_order_relaxed);
     if (policy_->annotates) {  // the upstream allocated: the CUDA runtime is initialised
       void* heap = memory_annotations::add_heap(policy_->device, p, size,
                                                       "cudamem::pool_resource chunk");
@@ -195,7 +210,7 @@ class chunk_set {
       const std::lock_guard lock(sh.mutex);
       sh.flush_cache();
       for (pool_tier other : {t, t == small_tier ? large_tier : small_tier}) {
-        if (void* p = sh.take(*policy_, other, size, alignment, stream, true)) {
+        if (void* p = sh.take(*policy_, other, size, alignment, stream, {.any_block = true})) {
           return p;
         }
       }
@@ -292,13 +307,15 @@ class chunk_set {
       upstream_->deallocate(reinterpret_cast<void*>(c.base), c.size, pool_policy::granule);
       reserved_ -= c.size;
       total += c.size;
+      upstream_returns_.fetch_add(1, std::memory_order_relaxed);
     }
     return total;
   }
 
-  void synchronize_reporting() const noexcept {
+  void synchronize_reporting() noexcept {
+    device_syncs_.fetch_add(1, std::memory_order_relaxed);
     try {
-      synchronize_device(policy_->device);
+      policy_->events->synchronize_device(policy_->device);
     } catch (const cuda_error& e) {
       report_error(e.code(), "pool_resource: synchronising before returning memory");
     }
@@ -310,6 +327,10 @@ class chunk_set {
   held_bytes reserved_;  ///< held from the upstream, and its peak (guarded by upstream_mutex_)
   mutable std::shared_mutex directory_mutex_;
   std::map<std::uintptr_t, entry> directory_;  ///< chunk base -> size and shard
+  // Counts for pool_resource::stream_stats (relaxed: read for reports, never to decide).
+  std::atomic<std::uint64_t> upstream_allocations_{0};
+  std::atomic<std::uint64_t> upstream_returns_{0};
+  std::atomic<std::uint64_t> device_syncs_{0};
 };
 
 }  // namespace cudamem::detail

@@ -29,12 +29,26 @@
 // - its stream ledger (detail/pool/stream_ledger.hpp).
 // Chunks, and which shard each belongs to, are the chunk set's (detail/pool/chunk_set.hpp).
 //
+// Which free block a request gets, when streams are tracked (issue 39). The cache's pick (the
+// top of a size class's stack: the block freed last) and the heap's (TLSF's good fit) do not
+// look at streams. In a program that runs stream-steps on several streams in turn, the block
+// freed last was nearly always freed by the stream that ran just before, so every request
+// then made its stream wait for that stream's whole stream-step: the streams ran one after
+// another. So when the first pick needs a wait, the shard looks a little further — a few
+// blocks deeper in the same stacks, a few blocks of a few more size classes of the heap, never
+// a block more than twice the request (or than the first pick) — for one that needs none:
+// freed on the requesting stream, known complete, or covered by a wait the stream already
+// made. Only when none is found does the first pick go out, with its wait. Nothing changes
+// where streams are not tracked (host and simulated memory), nor when the first pick needs no
+// wait, so single-stream programs and the fragmentation figures place blocks as before.
+//
 // Every member function is called with `mutex` held, and leaves it held.
 #pragma once
 
 #include <cudamem/detail/nvtx.hpp>
 #include <cudamem/detail/pool/address_map.hpp>
 #include <cudamem/detail/pool/block_cache.hpp>
+#include <cudamem/detail/pool/stream_events.hpp>
 #include <cudamem/detail/pool/stream_ledger.hpp>
 #include <cudamem/detail/pool/tlsf_heap.hpp>
 #include <cudamem/detail/spin_lock.hpp>
@@ -49,6 +63,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -88,6 +103,22 @@ struct pool_policy {
   bool tracks_streams = false;  ///< false: host or simulated memory, streams are ignored
   bool annotates = false;       ///< chunks and blocks are told to an NVTX tool (detail/nvtx.hpp)
   int device = -1;              ///< for device-wide synchronisation
+  /// The stream-order calls (detail/pool/stream_events.hpp): CUDA's, or a test's model.
+  stream_event_driver* events = nullptr;
+  /// Look for a block that needs no wait before waiting; remember waits (both on but where a
+  /// benchmark measures the pool as it was before: detail::scoped_pool_stream_choices).
+  bool prefers_ready = true;
+  bool remembers_waits = true;
+  /// How far a request whose first pick needs a wait looks for a block that needs none (see
+  /// the header comment): blocks per cache stack, heap size classes, blocks per class.
+  static constexpr unsigned ready_cache_depth = 8;
+  static constexpr unsigned ready_heap_classes = 8;
+  static constexpr unsigned ready_heap_depth = 4;
+  /// stream_reuse::when_complete: reuse only what needs no wait, else grow (see pool_options).
+  bool reuse_when_complete = false;
+  /// ...and look further for it, since the alternative is more memory.
+  static constexpr unsigned complete_heap_classes = 64;
+  static constexpr unsigned complete_heap_depth = 8;
 
   /// The policy of a pool with options `o` (a validated pool_options) over `upstream`.
   template <class Options>
@@ -101,9 +132,18 @@ struct pool_policy {
     p.cache_limit = o.cache_bytes > 0 ? std::min(o.cache_block_limit, std::size_t{1} << 50) : 0;
     p.cache_bytes = o.cache_bytes;
     p.cache_over_use = o.cache_follows_use ? 0 : std::numeric_limits<std::size_t>::max() / 2;
-    p.tracks_streams = upstream.kind() != memory_kind::host &&
-                       !(upstream.kind() == memory_kind::device && upstream.device() < 0);
+    // A test or simulation may have installed a model of the device's stream calls: then
+    // streams are tracked over any memory (scoped_pool_stream_events).
+    stream_event_driver* model = pool_stream_events_override.load();
+    p.events = model != nullptr ? model : &cuda_stream_events();
+    p.tracks_streams = model != nullptr ||
+                       (upstream.kind() != memory_kind::host &&
+                        !(upstream.kind() == memory_kind::device && upstream.device() < 0));
     p.device = upstream.device();
+    p.reuse_when_complete = o.stream_reuse == decltype(o.stream_reuse)::when_complete;
+    const pool_stream_choices choices = current_pool_stream_choices();
+    p.prefers_ready = choices.prefer_ready;
+    p.remembers_waits = choices.remember_waits;
     p.annotates = annotates_sub_allocations(
         upstream.kind() == memory_kind::device && upstream.device() >= 0,
         upstream.allows_nvtx_heaps());
@@ -149,6 +189,15 @@ struct pool_policy {
   }
 };
 
+/// How pool_shard::take may choose: `any_block` also cuts a free block much larger than the
+/// request (pool_policy::oversize_limit) and, under stream_reuse_policy::when_complete, one
+/// that needs a wait (the last resort before out_of_memory); `ready_only`: only a block that
+/// needs no wait for the stream, of at most twice the request (the cache has another in hand).
+struct pool_take_mode {
+  bool any_block = false;
+  bool ready_only = false;
+};
+
 /// One shard; see the header comment. Public members: pool_resource's inline fast paths use
 /// them directly.
 struct alignas(64) pool_shard {
@@ -160,15 +209,36 @@ struct alignas(64) pool_shard {
   std::size_t peak = 0;
   stream_ledger ledger;
 
+  explicit pool_shard(const pool_policy& policy) noexcept
+      : ledger(*policy.events, policy.device, policy.remembers_waits) {}
+
   /// A block of `size` bytes (rounded to the granule) from tier `t`, made ready for `stream`,
-  /// or nullptr. `any_block`: also cut a free block much larger than the request (see
-  /// pool_policy::oversize_limit).
+  /// or nullptr (see take_mode).
   void* take(const pool_policy& policy, pool_tier t, std::size_t size, std::size_t alignment,
-             const stream_view* stream, bool any_block = false) {
+             const stream_view* stream, pool_take_mode mode = {}) {
     live.reserve_one();  // the only step that can fail for want of host memory: do it first
-    pool_block* b = tiers[t].allocate(size, alignment,
-                                      any_block ? std::numeric_limits<std::size_t>::max()
-                                                : policy.oversize_limit(size));
+    const std::size_t largest_split =
+        mode.any_block ? std::numeric_limits<std::size_t>::max() : policy.oversize_limit(size);
+    pool_block* b = nullptr;
+    if (!policy.tracks_streams || !policy.prefers_ready) [[likely]] {
+      b = tiers[t].allocate(size, alignment, largest_split);
+    } else {  // prefer a block that needs no wait (header comment)
+      // Under when_complete nothing that needs a wait will do (but as the last resort): look
+      // further (take_flushing asks what completed before the pool grows).
+      const bool complete_only = policy.reuse_when_complete && !mode.any_block;
+      tlsf_reach reach{pool_policy::ready_heap_classes, pool_policy::ready_heap_depth,
+                       mode.ready_only || complete_only, !complete_only};
+      if (complete_only) {
+        reach.classes = pool_policy::complete_heap_classes;
+        reach.depth = pool_policy::complete_heap_depth;
+      }
+      bool switched = false;
+      b = tiers[t].allocate(
+          size, alignment, largest_split,
+          [&](const pool_block& c) { return c.tag.empty() || ledger.ready_for(c.tag, stream); },
+          reach, &switched);
+      ledger.counters().preferred_blocks += switched && !mode.ready_only ? 1 : 0;
+    }
     if (b == nullptr) {
       return nullptr;
     }
@@ -177,7 +247,7 @@ struct alignas(64) pool_shard {
         if (b->tag.only_on(stream)) {
           b->tag.clear();
         } else {
-          make_ready(b->tag, stream, policy.device);
+          ledger.make_ready(b->tag, stream);
         }
       } catch (...) {
         tiers[t].free(b);
@@ -191,11 +261,19 @@ struct alignas(64) pool_shard {
 
   /// From the heap of tier `t`, else after flushing cached blocks — largest first, only until
   /// one merges into a free block of that tier that can hold the request (a miss then costs a
-  /// few cached blocks, not the whole cache) — or nullptr: the pool must grow.
+  /// few cached blocks, not the whole cache; under when_complete, one that needs no wait) — or
+  /// nullptr: the pool must grow.
   void* take_flushing(const pool_policy& policy, pool_tier t, std::size_t size,
                       std::size_t alignment, const stream_view* stream) {
     if (void* p = take(policy, t, size, alignment, stream)) {
       return p;
+    }
+    const bool complete_only = policy.tracks_streams && policy.reuse_when_complete;
+    // Under when_complete the alternative is growth: first learn what completed since.
+    if (complete_only && ledger.refresh(stream, true)) {
+      if (void* p = take(policy, t, size, alignment, stream)) {
+        return p;
+      }
     }
     const std::size_t needed =
         size + (alignment > pool_policy::granule ? alignment - pool_policy::granule : 0);
@@ -203,7 +281,8 @@ struct alignas(64) pool_shard {
       cached.drain_until([&](pool_block* c) {
         live.erase(c->address);
         const pool_block* merged = tiers[c->region->owner].free(c);
-        return merged->region->owner == t && merged->size >= needed;
+        return merged->region->owner == t && merged->size >= needed &&
+               (!complete_only || merged->tag.empty() || ledger.ready_for(merged->tag, stream));
       });
       if (void* p = take(policy, t, size, alignment, stream)) {
         return p;
@@ -212,14 +291,51 @@ struct alignas(64) pool_shard {
     return nullptr;
   }
 
-  /// Hands out `b`, just popped from the cache (still in `live`), whose pending frees need an
-  /// event check. On failure it goes back to the cache.
-  void* hand_out_cached(const pool_policy& policy, pool_block* b, const stream_view* stream) {
-    try {
-      make_ready(b->tag, stream, policy.device);
-    } catch (...) {
-      cached.push(b);
-      throw;
+  /// Hands out `b`, just popped from the cache (still in `live`) for a request of `size` bytes
+  /// at `alignment`, whose pending frees need an event check. If b would need a wait, a block
+  /// that needs none goes out instead — from the same stacks, else from the heap (at most
+  /// twice the request) — and b back on top of its stack (header comment). Under
+  /// when_complete, if there is none, b goes back too and the result is nullptr (the caller
+  /// goes on as on a miss). On failure the block goes back to the cache.
+  void* hand_out_cached(const pool_policy& policy, pool_block* b, std::size_t size,
+                        std::size_t alignment, const stream_view* stream) {
+    if (policy.prefers_ready && !ledger.ready_for(b->tag, stream)) {
+      if (policy.reuse_when_complete) {
+        ledger.refresh(stream);
+      }
+      if (!ledger.ready_for(b->tag, stream)) {
+        pool_block* other = cached.pop_if(
+            size, alignment - 1,
+            [&](const pool_block& c) { return c.tag.empty() || ledger.ready_for(c.tag, stream); },
+            pool_policy::ready_cache_depth);
+        if (other != nullptr) {
+          cached.push(b);
+          ++ledger.counters().preferred_blocks;
+          b = other;
+        } else {
+          void* p = nullptr;
+          try {
+            p = take(policy, policy.tier_of(size), size, alignment, stream, {.ready_only = true});
+          } catch (const std::bad_alloc&) {  // no host memory for the heap's nodes: b will do
+          } catch (...) {
+            cached.push(b);
+            throw;
+          }
+          if (p != nullptr || policy.reuse_when_complete) {
+            cached.push(b);
+            ledger.counters().preferred_blocks += p != nullptr ? 1 : 0;
+            return p;
+          }
+        }
+      }
+    }
+    if (!b->tag.empty()) {
+      try {
+        ledger.make_ready(b->tag, stream);
+      } catch (...) {
+        cached.push(b);
+        throw;
+      }
     }
     count_in(b->size);
     return reinterpret_cast<void*>(b->address);
@@ -236,7 +352,7 @@ struct alignas(64) pool_shard {
     }
     used -= b->size;
     if (policy.tracks_streams && stream != nullptr) {
-      ledger.note_free(b->tag, *stream, policy.device);
+      ledger.note_free(b->tag, *stream);
     }
     if (policy.cache_outgrew(cached.bytes(), used)) {
       flush_cache();  // most of what was live is free: a new phase starts from merged memory
@@ -306,15 +422,21 @@ template <class Options>
   if (o.initial_size > o.maximum_size) {
     fail("initial_size exceeds maximum_size");
   }
+  using reuse = decltype(o.stream_reuse);
+  if (o.stream_reuse != reuse::wait && o.stream_reuse != reuse::when_complete) {
+    fail("stream_reuse must be stream_reuse::wait or stream_reuse::when_complete, not " +
+         std::to_string(static_cast<int>(o.stream_reuse)));
+  }
   return o;
 }
 
 /// `count` empty shards, each on cache lines of its own.
-[[nodiscard]] inline std::vector<std::unique_ptr<pool_shard>> make_pool_shards(unsigned count) {
+[[nodiscard]] inline std::vector<std::unique_ptr<pool_shard>> make_pool_shards(
+    unsigned count, const pool_policy& policy) {
   std::vector<std::unique_ptr<pool_shard>> shards;
   shards.reserve(count);
   for (unsigned i = 0; i < count; ++i) {
-    shards.push_back(std::make_unique<pool_shard>());
+    shards.push_back(std::make_unique<pool_shard>(policy));
   }
   return shards;
 }

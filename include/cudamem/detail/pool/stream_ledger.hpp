@@ -1,10 +1,12 @@
 // cudamem/detail/pool/stream_ledger.hpp — pool_resource's stream-order ledger: which streams
-// blocks were freed on, and the events that tell when those frees are complete.
+// blocks were freed on, the events that tell when those frees are complete, and which
+// streams already wait for them.
 //
-//   stream_ledger ledger;                      // one per shard, under the shard's lock
-//   ledger.note_free(block.tag, s, device);    // "the last use of this block was put on s"
-//   make_ready(block.tag, &t, device);         // before the block goes to a request on t
-//   ledger.retire(s);                          // s is about to be destroyed
+//   stream_ledger ledger{driver, device};        // one per shard, under the shard's lock
+//   ledger.note_free(block.tag, s);              // "the last use of this block was put on s"
+//   if (ledger.ready_for(block.tag, &t)) ...     // no wait needed: prefer this block for t
+//   ledger.make_ready(block.tag, &t);            // before the block goes to a request on t
+//   ledger.retire(s);                            // s is about to be destroyed
 //
 // What it owns. A free on stream s only says that s's work up to that point uses the block:
 // the memory may be reused at once on s (stream order), and on another stream t once that work
@@ -19,9 +21,23 @@
 // a device-wide synchronisation. Frees on cudaStreamPerThread record their event at once
 // (another thread can never name that stream later).
 //
+// Waits are made once (issue 39). A stream-step of a multi-stream program takes dozens of
+// blocks another stream freed, all covered by one recording of that stream's event. Each used
+// to cost a cudaEventQuery and a cudaStreamWaitEvent: two driver calls per block, on the host
+// thread that also launches the kernels. Now each record remembers, for the last few streams
+// that waited on its event, how many frees that wait covered (`stream_record::waiters`); a
+// block whose frees are covered needs no call at all for that stream. A stream handle can be
+// destroyed and the value reused by a new stream the pool never heard of, which has waited for
+// nothing: so a remembered wait names the stream by its id (cudaStreamGetId, unique for the
+// process's life), checked before it is trusted. Default streams are never remembered (the
+// per-thread one is a different stream on each thread, the legacy one on each device).
+//
+// Counts (`stream_counters`): plain integers under the shard's lock, on the slow paths only.
+//
 // Not thread-safe: the owning shard's lock guards its ledger and its blocks' tags.
 #pragma once
 
+#include <cudamem/detail/pool/stream_events.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/stream.hpp>
 
@@ -37,9 +53,19 @@
 
 namespace cudamem::detail {
 
+/// A stream that waited on a record's event, and how many of the record's frees that wait
+/// covered.
+struct stream_waiter {
+  cudaStream_t handle = nullptr;
+  std::uint64_t id = 0;      ///< the stream's id when it waited (0: empty slot)
+  std::uint64_t covers = 0;  ///< frees on the record's stream the wait covers
+};
+
 /// One stream frees were made on. A block freed on it remembers `frees` just after that free,
 /// and is safe for other streams once an event recorded after it has completed.
 struct stream_record {
+  static constexpr std::size_t waiter_capacity = 4;
+
   cudaStream_t handle = nullptr;
   int device = -1;                  ///< the pool's device: a default stream's device
   std::thread::id thread;           ///< the owner, for cudaStreamPerThread only
@@ -48,10 +74,32 @@ struct stream_record {
   std::uint64_t event_covers = 0;   ///< frees before the last record of `event`
   std::uint64_t done = 0;           ///< frees known complete
   bool retired = false;
+  std::uint8_t next_waiter = 0;     ///< the slot the next new waiter replaces
+  std::array<stream_waiter, waiter_capacity> waiters{};  ///< streams made to wait on `event`
 
   [[nodiscard]] bool is(stream_view s) const noexcept {
     return s.get() == handle &&
            (handle != cudaStreamPerThread || thread == std::this_thread::get_id());
+  }
+  /// The slot remembering a wait by a stream with this handle, or nullptr.
+  [[nodiscard]] stream_waiter* waiter(cudaStream_t h) noexcept {
+    for (stream_waiter& w : waiters) {
+      if (w.id != 0 && w.handle == h) {
+        return &w;
+      }
+    }
+    return nullptr;
+  }
+  [[nodiscard]] const stream_waiter* waiter(cudaStream_t h) const noexcept {
+    return const_cast<stream_record*>(this)->waiter(h);
+  }
+  void remember_waiter(cudaStream_t h, std::uint64_t id, std::uint64_t covers) noexcept {
+    stream_waiter* w = waiter(h);
+    if (w == nullptr) {
+      w = &waiters[next_waiter];
+      next_waiter = static_cast<std::uint8_t>((next_waiter + 1) % waiter_capacity);
+    }
+    *w = {h, id, covers};
   }
 };
 
@@ -101,104 +149,45 @@ struct pending_frees {
   }
 };
 
-/// Waits on the host for all work on `device` (-1: the current one), restoring the current
-/// device. Throws cuda_error.
-inline void synchronize_device(int device) {
-  int previous = 0;
-  check(cudaGetDevice(&previous), "pool_resource: cudaGetDevice");
-  const int target = device >= 0 ? device : previous;
-  if (previous != target) {
-    check(cudaSetDevice(target), "pool_resource: cudaSetDevice");
-  }
-  const cudaError_t code = cudaDeviceSynchronize();
-  if (previous != target) {
-    static_cast<void>(cudaSetDevice(previous));
-  }
-  check(code, "pool_resource: cudaDeviceSynchronize");
-}
+/// What a shard's ledger did to keep stream order (pool_resource::stream_stats sums them).
+struct stream_counters {
+  std::uint64_t cross_stream_blocks = 0;  ///< blocks handed out with another stream's frees pending
+  std::uint64_t preferred_blocks = 0;     ///< a block needing no wait taken in place of the first pick
+  std::uint64_t event_records = 0;
+  std::uint64_t event_queries = 0;
+  std::uint64_t stream_waits = 0;         ///< cudaStreamWaitEvent calls
+  std::uint64_t waits_skipped = 0;        ///< the stream already waited for those frees: no call
+  std::uint64_t host_waits = 0;           ///< cudaEventSynchronize (the synchronous allocate)
+  std::uint64_t device_syncs = 0;         ///< a tag of more streams than it holds
 
-/// Whether `s` names a default stream: which device's it is depends on the current device.
-[[nodiscard]] inline bool is_default_stream(cudaStream_t s) noexcept {
-  return s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread;
-}
-
-/// Records rec's event on its stream now, covering every free made on it so far. The event is
-/// created and recorded on the stream's own device, whatever device is current: a default
-/// stream's device is the pool's (`rec.device`), since the handle alone names whichever device
-/// is current. Throws cuda_error.
-inline void record_event(stream_record& rec) {
-  int device = rec.device;
-  if (device < 0 || !is_default_stream(rec.handle)) {
-    check(cudaStreamGetDevice(rec.handle, &device), "pool_resource: cudaStreamGetDevice");
+  void add(const stream_counters& o) noexcept {
+    cross_stream_blocks += o.cross_stream_blocks;
+    preferred_blocks += o.preferred_blocks;
+    event_records += o.event_records;
+    event_queries += o.event_queries;
+    stream_waits += o.stream_waits;
+    waits_skipped += o.waits_skipped;
+    host_waits += o.host_waits;
+    device_syncs += o.device_syncs;
   }
-  int previous = 0;
-  check(cudaGetDevice(&previous), "pool_resource: cudaGetDevice");
-  if (previous != device) {
-    check(cudaSetDevice(device), "pool_resource: cudaSetDevice");
-  }
-  cudaError_t code = cudaSuccess;
-  if (rec.event == nullptr) {
-    code = cudaEventCreateWithFlags(&rec.event, cudaEventDisableTiming);
-  }
-  if (code == cudaSuccess) {
-    code = cudaEventRecord(rec.event, rec.handle);
-  }
-  if (previous != device) {
-    static_cast<void>(cudaSetDevice(previous));
-  }
-  check(code, "pool_resource: recording an event after a free");
-  rec.event_covers = rec.frees;
-}
-
-/// Makes a block tagged `pending` (not empty) safe to hand out on `stream` (null: to everyone,
-/// waiting on the host), then clears the tag. `device` is the pool's, for the device-wide
-/// synchronisation an overflowing tag needs. Throws cuda_error; the tag is then unchanged
-/// but for what is known complete.
-inline void make_ready(pending_frees& pending, const stream_view* stream, int device) {
-  if (pending.overflow) {
-    synchronize_device(device);
-    pending.clear();
-    return;
-  }
-  for (std::size_t i = 0; i < pending.count; ++i) {
-    stream_record& rec = *pending.entries[i].stream;
-    const std::uint64_t n = pending.entries[i].free_count;
-    if (n <= rec.done || (stream != nullptr && rec.is(*stream) && !rec.retired)) {
-      continue;  // complete, or ordered before this request by the stream itself
-    }
-    if (rec.event_covers < n) {
-      record_event(rec);
-    }
-    if (stream == nullptr) {
-      check(cudaEventSynchronize(rec.event), "pool_resource: cudaEventSynchronize");
-      rec.done = std::max(rec.done, rec.event_covers);
-      continue;
-    }
-    const cudaError_t state = cudaEventQuery(rec.event);
-    if (state == cudaSuccess) {
-      rec.done = std::max(rec.done, rec.event_covers);
-    } else if (state == cudaErrorNotReady) {
-      static_cast<void>(cudaGetLastError());
-      check(cudaStreamWaitEvent(stream->get(), rec.event, 0),
-            "pool_resource: cudaStreamWaitEvent before cross-stream reuse");
-    } else {
-      check(state, "pool_resource: cudaEventQuery");
-    }
-  }
-  pending.clear();
-}
+};
 
 /// One shard's streams: a record per stream frees were made on, and the one looked up last
 /// (nearly every free is on it).
 class stream_ledger {
  public:
-  stream_ledger() = default;
+  /// `device`: the pool's (a default stream's device, and the device-wide synchronisation's).
+  /// `remember_waits` false: every block that crosses streams is checked with the driver (the
+  /// pool before issue 39, for benchmarks: detail::scoped_pool_stream_choices).
+  explicit stream_ledger(stream_event_driver& driver = cuda_stream_events(), int device = -1,
+                         bool remember_waits = true) noexcept
+      : driver_(&driver), device_(device), remember_waits_(remember_waits) {}
   stream_ledger(const stream_ledger&) = delete;
   stream_ledger& operator=(const stream_ledger&) = delete;
   ~stream_ledger() {
     for (const auto& rec : streams_) {
       if (rec->event != nullptr) {
-        report_error(cudaEventDestroy(rec->event), "pool_resource: cudaEventDestroy");
+        driver_->destroy(rec->event);
       }
     }
   }
@@ -213,24 +202,146 @@ class stream_ledger {
                : nullptr;
   }
 
-  /// Tags `tag` with a free on `s` (`device`: the pool's). On any failure, waits for `s`
-  /// instead (then nothing is pending).
-  void note_free(pending_frees& tag, stream_view s, int device) noexcept {
+  /// Tags `tag` with a free on `s`. On any failure, waits for `s` instead (then nothing is
+  /// pending).
+  void note_free(pending_frees& tag, stream_view s) noexcept {
     try {
-      stream_record& rec = record_for(s, device);
+      stream_record& rec = record_for(s);
       ++rec.frees;
       if (rec.handle == cudaStreamPerThread) {
         record_event(rec);  // no other thread can name this stream later
       }
       tag.add(&rec, rec.frees);
     } catch (...) {
-      report_error(cudaStreamSynchronize(s.get()),
+      report_error(driver_->synchronize_stream(s.get()),
                    "pool_resource: waiting for the stream after failing to track a free");
     }
   }
 
+  /// Whether a block tagged `tag` can go to a request on `stream` (null: the synchronous
+  /// form) with no wait: every pending free is known done, on `stream` itself, or covered by
+  /// a wait `stream` already made (remembered; make_ready checks the stream's id). No calls.
+  [[nodiscard]] bool ready_for(const pending_frees& tag, const stream_view* stream) const noexcept {
+    if (tag.overflow) {
+      return false;
+    }
+    for (std::size_t i = 0; i < tag.count; ++i) {
+      const stream_record& rec = *tag.entries[i].stream;
+      const std::uint64_t n = tag.entries[i].free_count;
+      if (n <= rec.done) {
+        continue;
+      }
+      if (stream == nullptr) {
+        return false;
+      }
+      if (rec.is(*stream) && !rec.retired) {
+        continue;
+      }
+      const stream_waiter* w = rememberable(stream->get()) ? rec.waiter(stream->get()) : nullptr;
+      if (w == nullptr || w->covers < n) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  /// Makes a block tagged `pending` (not empty) safe to hand out on `stream` (null: to
+  /// everyone, waiting on the host), then clears the tag. Throws cuda_error; the tag is then
+  /// unchanged but for what is known complete.
+  void make_ready(pending_frees& pending, const stream_view* stream) {
+    if (pending.overflow) {
+      ++counters_.cross_stream_blocks;
+      ++counters_.device_syncs;
+      driver_->synchronize_device(device_);
+      pending.clear();
+      return;
+    }
+    bool crossed = false;
+    std::uint64_t stream_id = 0;  // asked at most once per block
+    for (std::size_t i = 0; i < pending.count; ++i) {
+      stream_record& rec = *pending.entries[i].stream;
+      const std::uint64_t n = pending.entries[i].free_count;
+      if (n <= rec.done || (stream != nullptr && rec.is(*stream) && !rec.retired)) {
+        continue;  // complete, or ordered before this request by the stream itself
+      }
+      crossed = true;
+      if (stream == nullptr) {
+        if (rec.event_covers < n) {
+          record_event(rec);
+        }
+        ++counters_.host_waits;
+        driver_->synchronize(rec.event);
+        rec.done = std::max(rec.done, rec.event_covers);
+        continue;
+      }
+      const cudaStream_t t = stream->get();
+      const bool remember = rememberable(t);
+      if (stream_waiter* w = remember ? rec.waiter(t) : nullptr; w != nullptr && w->covers >= n) {
+        if (stream_id == 0) {
+          stream_id = driver_->stream_id(t);
+        }
+        if (stream_id != 0 && stream_id == w->id) {
+          ++counters_.waits_skipped;  // t already waits for these frees
+          continue;
+        }
+        *w = {};  // another stream with the same handle: it waited for nothing
+      }
+      if (rec.event_covers < n) {
+        record_event(rec);
+      }
+      ++counters_.event_queries;
+      if (driver_->query(rec.event)) {
+        rec.done = std::max(rec.done, rec.event_covers);
+        continue;
+      }
+      ++counters_.stream_waits;
+      driver_->wait(t, rec.event);
+      if (remember) {
+        if (stream_id == 0) {
+          stream_id = driver_->stream_id(t);
+        }
+        if (stream_id != 0) {
+          rec.remember_waiter(t, stream_id, rec.event_covers);
+        }
+      }
+    }
+    if (crossed) {
+      ++counters_.cross_stream_blocks;
+    }
+    pending.clear();
+  }
+
+  /// Learns which other streams' frees are complete by now: queries the event of every stream
+  /// (but `requester`) with frees not known complete, recording it first where no record
+  /// covers them yet. Returns whether it learnt anything. Unless `always`, at most once in a
+  /// run of requests on one stream (the first request of a stream-step whose first pick would
+  /// need a wait); `always` before the pool grows instead of waiting (growth costs far more).
+  bool refresh(const stream_view* requester, bool always = false) {
+    const cudaStream_t who = requester != nullptr ? requester->get() : nullptr;
+    if (!always && requester != nullptr && refreshed_for_ == who) {
+      return false;
+    }
+    refreshed_for_ = who;
+    bool learnt = false;
+    for (auto& rec : streams_) {
+      if (rec->frees <= rec->done || (requester != nullptr && rec->is(*requester))) {
+        continue;
+      }
+      if (rec->event_covers < rec->frees) {
+        record_event(*rec);
+      }
+      ++counters_.event_queries;
+      if (driver_->query(rec->event)) {
+        learnt = learnt || rec->done < rec->event_covers;
+        rec->done = std::max(rec->done, rec->event_covers);
+      }
+    }
+    return learnt;
+  }
+
   /// `s` is about to be destroyed: records an event covering its frees (if any is not yet
-  /// covered) and stops using its record for new frees. Throws cuda_error.
+  /// covered) and stops using its record for new frees; waits it made are forgotten. Throws
+  /// cuda_error.
   void retire(stream_view s) {
     for (auto& rec : streams_) {
       if (!rec->retired && rec->is(s)) {
@@ -239,6 +350,9 @@ class stream_ledger {
         }
         rec->retired = true;
         last_ = nullptr;
+      }
+      if (stream_waiter* w = rec->waiter(s.get())) {
+        *w = {};
       }
     }
   }
@@ -249,8 +363,23 @@ class stream_ledger {
                        [](const auto& rec) { return rec->frees > rec->done; });
   }
 
+  [[nodiscard]] const stream_counters& counters() const noexcept { return counters_; }
+  stream_counters& counters() noexcept { return counters_; }
+
  private:
-  stream_record& record_for(stream_view s, int device) {
+  /// Whether a wait by `s` may be remembered: not a default stream (see the header comment).
+  [[nodiscard]] bool rememberable(cudaStream_t s) const noexcept {
+    return remember_waits_ && !is_default_stream(s);
+  }
+
+  /// Records rec's event on its stream now, covering every free made on it so far.
+  void record_event(stream_record& rec) {
+    driver_->record(rec.event, rec.handle, rec.device);
+    ++counters_.event_records;
+    rec.event_covers = rec.frees;
+  }
+
+  stream_record& record_for(stream_view s) {
     stream_record* rec = last_;
     if (rec != nullptr && rec->is(s) && !rec->retired) {
       return *rec;
@@ -263,15 +392,20 @@ class stream_ledger {
     }
     auto fresh = std::make_unique<stream_record>();
     fresh->handle = s.get();
-    fresh->device = device;
+    fresh->device = device_;
     fresh->thread = std::this_thread::get_id();
     streams_.push_back(std::move(fresh));
     last_ = streams_.back().get();
     return *last_;
   }
 
+  stream_event_driver* driver_;
+  int device_;
+  bool remember_waits_;
   std::vector<std::unique_ptr<stream_record>> streams_;
   stream_record* last_ = nullptr;
+  cudaStream_t refreshed_for_ = nullptr;  ///< the stream refresh() last ran for
+  stream_counters counters_;
 };
 
 }  // namespace cudamem::detail

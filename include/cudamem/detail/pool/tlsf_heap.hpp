@@ -24,6 +24,11 @@
 //   neighbours at once, so no two free blocks are ever adjacent. When a cut or a merge leaves
 //   the free block in its size class (the common case for a large chunk's free tail), the free
 //   block keeps its node and its place in its list: no unlinking and relinking.
+// - A caller may say which blocks it would rather have (pool_resource: one that needs no wait
+//   for another stream's work). allocate(..., prefer, reach) still makes its usual pick first;
+//   only when prefer() refuses it does it look further — the request's own class, then a few
+//   blocks of a few classes up, never a block more than twice the request or than its usual
+//   pick — and takes the first block prefer() accepts, else its usual pick.
 // - A region is one contiguous range (an upstream allocation). Blocks never merge across
 //   regions, so a region whose one block is free can be handed back whole. extend_region()
 //   grows a region at its end: a pool over a growable virtual address range maps more memory
@@ -43,6 +48,7 @@
 // - Not thread-safe: the owner locks.
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cassert>
 #include <cstddef>
@@ -57,6 +63,17 @@ namespace cudamem::detail {
 /// The empty per-block tag.
 struct no_tag {
   void absorb(const no_tag& /*other*/) noexcept {}
+};
+
+/// How allocate() looks for a block its caller prefers: `classes` non-empty size classes at
+/// or above the first whose every block fits, `depth` blocks of each; `only`: a preferred
+/// block or none (nullptr); `within_twice`: never a preferred block more than twice the
+/// request (or than the usual pick, when that is larger and `only` is off).
+struct tlsf_reach {
+  unsigned classes = 8;
+  unsigned depth = 4;
+  bool only = false;
+  bool within_twice = true;
 };
 
 template <class Tag>
@@ -226,21 +243,46 @@ class tlsf_heap {
     if (b == nullptr || b->size > largest_split) {
       return nullptr;
     }
-    const std::size_t front = aligned_offset(b->address, alignment);
-    if (front == 0 && b->size > size && !is_whole_region(b) &&
-        same_class(b->size, b->size - size)) {
-      return cut_below(b, size);  // the rest keeps b's node and its place in its list
+    return hand_out(b, size, alignment);
+  }
+
+  /// The same, but when `prefer(const block&)` refuses the usual pick, the first block within
+  /// `reach` that it accepts (see the header comment and tlsf_reach); `*switched` (if given)
+  /// says whether that happened.
+  template <class Prefer>
+  [[nodiscard]] block* allocate(std::size_t bytes, std::size_t alignment,
+                                std::size_t largest_split, Prefer&& prefer, tlsf_reach reach,
+                                bool* switched) {
+    const std::size_t size = round_up(bytes);
+    if (size == 0) {
+      return nullptr;  // bytes == 0 or rounding overflowed: nothing can hold it
     }
-    remove_free(b);
-    if (front != 0) {  // give the bytes below the aligned address back as a free block
-      block* aligned = split(b, front);
-      insert_free(b);
-      b = aligned;
+    const std::size_t padding = alignment > granule_ ? alignment - granule_ : 0;
+    if (size > std::numeric_limits<std::size_t>::max() - padding) {
+      return nullptr;
     }
-    if (b->size > size) {
-      insert_free(split(b, size));
+    reserve_nodes(2);  // the two splits below must not fail half-way
+    block* b = find_free(size + padding, size, alignment);
+    if (b == nullptr || b->size > largest_split) {
+      return nullptr;
     }
-    return b;  // remove_free marked it in use
+    const std::size_t twice = size + padding > std::numeric_limits<std::size_t>::max() / 2
+                                  ? std::numeric_limits<std::size_t>::max()
+                                  : 2 * (size + padding);
+    const std::size_t cap =
+        !reach.within_twice ? largest_split
+                            : std::min(largest_split, reach.only ? twice : std::max(b->size, twice));
+    if (b->size > cap || !prefer(static_cast<const block&>(*b))) {
+      if (block* other = find_preferred(size + padding, size, alignment, cap, prefer, reach)) {
+        b = other;
+        if (switched != nullptr) {
+          *switched = true;
+        }
+      } else if (reach.only) {
+        return nullptr;
+      }
+    }
+    return hand_out(b, size, alignment);
   }
 
   /// Returns a block; merges it with free neighbours. Returns the resulting free block.
@@ -337,7 +379,8 @@ class tlsf_heap {
   }
 
   /// A free block that can hold `needed` bytes (`size` bytes at `alignment`), or nullptr.
-  block* find_free(std::size_t needed, std::size_t size, std::size_t alignment) const noexcept {
+  [[gnu::always_inline]] block* find_free(std::size_t needed, std::size_t size,
+                                          std::size_t alignment) const noexcept {
     // Near best fit: a block of the request's own class may already be large enough.
     const size_class own = class_of(needed);
     unsigned probes = 0;
@@ -364,6 +407,87 @@ class tlsf_heap {
     }
     c.second = static_cast<unsigned>(std::countr_zero(second_map));
     return heads_[c.first][c.second];
+  }
+
+  /// Cuts `size` bytes at `alignment` out of free block `b` (which holds them) and returns
+  /// them as an in-use block; the rest stays free. Nodes for two splits are reserved.
+  [[gnu::always_inline]] block* hand_out(block* b, std::size_t size, std::size_t alignment) noexcept {
+    const std::size_t front = aligned_offset(b->address, alignment);
+    if (front == 0 && b->size > size && !is_whole_region(b) &&
+        same_class(b->size, b->size - size)) {
+      return cut_below(b, size);  // the rest keeps b's node and its place in its list
+    }
+    remove_free(b);
+    if (front != 0) {  // give the bytes below the aligned address back as a free block
+      block* aligned = split(b, front);
+      insert_free(b);
+      b = aligned;
+    }
+    if (b->size > size) {
+      insert_free(split(b, size));
+    }
+    return b;  // remove_free marked it in use
+  }
+
+  /// A free block that can hold `needed` bytes (`size` at `alignment`), of at most `cap`
+  /// bytes, that `prefer` accepts: among the first blocks of the request's own class, then
+  /// among the first `reach.depth` blocks of up to `reach.classes` non-empty classes from the
+  /// first whose every block fits, upward. nullptr when none is found.
+  template <class Prefer>
+  block* find_preferred(std::size_t needed, std::size_t size, std::size_t alignment,
+                        std::size_t cap, Prefer& prefer, tlsf_reach reach) const {
+    const size_class own = class_of(needed);
+    unsigned probes = 0;
+    for (block* b = heads_[own.first][own.second]; b != nullptr && probes < exact_class_probes;
+         b = b->next_free, ++probes) {
+      if (b->size >= size + aligned_offset(b->address, alignment) && b->size <= cap &&
+          prefer(static_cast<const block&>(*b))) {
+        return b;
+      }
+    }
+    size_class c = class_holding(needed);
+    for (unsigned visited = 0; visited < reach.classes; ++visited) {
+      c = first_nonempty_from(c);
+      if (c.first >= first_level_count || class_floor(c) > cap) {
+        return nullptr;
+      }
+      unsigned seen = 0;
+      for (block* b = heads_[c.first][c.second]; b != nullptr && seen < reach.depth;
+           b = b->next_free, ++seen) {
+        if (b->size <= cap && prefer(static_cast<const block&>(*b))) {
+          return b;
+        }
+      }
+      c = c.second + 1 < second_level_count ? size_class{c.first, c.second + 1}
+                                            : size_class{c.first + 1, 0};
+    }
+    return nullptr;
+  }
+
+  /// The first non-empty class at or above `c`, or {first_level_count, 0} when none is.
+  [[nodiscard]] size_class first_nonempty_from(size_class c) const noexcept {
+    if (c.first >= first_level_count) {
+      return {first_level_count, 0};
+    }
+    std::uint32_t second_map = second_level_map_[c.first] & (~std::uint32_t{0} << c.second);
+    if (second_map == 0) {
+      const std::uint64_t first_map =
+          c.first + 1 >= first_level_count ? 0 : first_level_map_ & (~std::uint64_t{0} << (c.first + 1));
+      if (first_map == 0) {
+        return {first_level_count, 0};
+      }
+      c.first = static_cast<unsigned>(std::countr_zero(first_map));
+      second_map = second_level_map_[c.first];
+    }
+    c.second = static_cast<unsigned>(std::countr_zero(second_map));
+    return c;
+  }
+
+  /// The smallest size a block of class `c` can have (class_of's inverse, rounded down).
+  [[nodiscard]] std::size_t class_floor(size_class c) const noexcept {
+    const std::size_t units = c.first == 0 ? std::size_t{c.second}
+                                           : std::size_t{second_level_count + c.second} << (c.first - 1);
+    return units << granule_log2_;
   }
 
   [[nodiscard]] static std::size_t aligned_offset(std::uintptr_t address,
