@@ -1,8 +1,9 @@
 """What ctest runs for the Python package (registered in capi/tests/CMakeLists.txt):
 
-    run_suite.py host  --library LIB   the ctypes layer over simulated devices (no GPU), and the
-                                       build backend's checks
-    run_suite.py gpu   --library LIB   PyTorch and CuPy on the GPU
+    run_suite.py host  --library LIB   the ctypes layer over simulated devices (no GPU), the
+                                       build backend's checks; the examples' GPU runs skip
+    run_suite.py gpu   --library LIB   PyTorch and CuPy on the GPU; the examples and the
+                                       README's snippet against the installed wheel
     run_suite.py wheel --work DIR      `pip wheel ./python` (and its one-sentence errors for a
                                        missing GSL or CUDA Toolkit), installed into a fresh
                                        virtual environment in DIR with no compiler and no GSL
@@ -64,13 +65,13 @@ def main():
         env["CUDAMEM_CACHE_DIR"] = env.get("CUDAMEM_CACHE_DIR") or os.path.join(
             os.path.dirname(args.library), "python-cache")
     if args.suite == "host":
-        return pytest(["test_native.py", "test_build_backend.py"], env)
+        return pytest(["test_native.py", "test_build_backend.py", "test_examples.py"], env)
     if args.suite == "gpu":
         if not importable("torch") and not importable("cupy"):
             skip("neither PyTorch nor CuPy is installed for %s" % sys.executable)
         if gpu_count() == 0:
             skip("no CUDA device")
-        return pytest(["test_torch.py", "test_cupy.py"], env)
+        return pytest(["test_torch.py", "test_cupy.py", "test_examples.py"], env)
     return wheel_suite(args.work, env)
 
 
