@@ -2,12 +2,15 @@
 one fills the rest, and the error names the other process (pid, name, bytes), what this
 process holds and why the request failed.
 
+    pip install ./python                          # once (the README: "From PyTorch and CuPy")
     python3 examples/python/explain_oom.py
+
+It uses the installed package, as any program would: PyTorch and a CUDA device are needed to
+run it, and it ends with the out-of-memory error's text.
 
 PyTorch's own message says how much PyTorch holds and how much is free; it cannot say who
 holds the rest. cudamem asks the driver (NVML) which processes use the device.
 """
-import os
 import subprocess
 import sys
 
@@ -45,6 +48,4 @@ def main():
 
 
 if __name__ == "__main__":
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path.insert(0, os.path.join(here, "..", "..", "python"))
     main()

@@ -4,7 +4,10 @@ torch.cuda.empty_cache() does not help. The same loop, run twice in fresh proces
 PyTorch's own allocator, then with one line added, cudamem.torch.install() — prints how far
 each got.
 
+    pip install ./python                          # once (the README: "From PyTorch and CuPy")
     python3 examples/python/fragmenting_loop.py
+
+It uses the installed package, as any program would: PyTorch and a CUDA device are needed.
 
 What the loop does: every iteration makes one large activation-like tensor of a size that
 varies (8 MiB .. 1 GiB) and keeps it for a few iterations, and keeps a few small tensors for
@@ -61,12 +64,8 @@ def main():
     if len(sys.argv) > 1:
         loop(sys.argv[1] == "cudamem")
         return
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ)
-    package = os.path.join(here, "..", "..", "python")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package, env.get("PYTHONPATH")) if p)
     for which in ("pytorch", "cudamem"):  # fresh processes: an allocator is chosen once
-        subprocess.run([sys.executable, os.path.abspath(__file__), which], env=env, check=True)
+        subprocess.run([sys.executable, os.path.abspath(__file__), which], check=True)
 
 
 if __name__ == "__main__":
