@@ -19,7 +19,7 @@
 //   cudamem::imported_pool pool{std::move(r.fds[0]), r.payload_as<cudamem::ipc_pool_descriptor>()};
 //   cudamem::imported_pointer p = pool.import(token);        // the exporter's memory, mapped
 //   kernel<<<g, b, 0, s.get()>>>(p.span<float>());         // on this thread's GPU, whichever
-//   // p's destructor unmaps it (waits for the device, frees); pool's closes the import.
+//   // p's destructor unmaps it (waits for the devices, frees); pool's closes the import.
 //
 // Why. CUDA's pools can be shared (cudaMemPoolExportToShareableHandle, cudaMemPoolExportPointer,
 // and the import functions), but each side must release in the right order and on every path:
@@ -70,10 +70,10 @@
 //   in a kernel later; an fd that is not a pool handle: `cuda_error` from CUDA.
 // - `import(token)` maps one exported allocation (cudaMemPoolImportPointer) and returns its
 //   owner, `imported_pointer`: `get()`, `bytes()`, `span<T>()`; its destructor frees the
-//   mapping as cudaFree would (waits for every device with access, then frees, complete before
-//   it returns, as CUDA requires before the exporter frees). A token of another pool throws `ipc_error`;
-//   one CUDA does not know (a pointer the exporter never exported, or already freed)
-//   `cuda_error`.
+//   mapping as cudaFree would (waits for every device with access, then frees, complete
+//   before it returns, as CUDA requires before the exporter frees). A token of another pool
+//   throws `ipc_error`; one CUDA does not know (a pointer the exporter never exported, or
+//   already freed) `cuda_error`.
 // - The imported_pool must outlive its imported_pointers (its destructor reports any left).
 //   Both are move-only; the destructors are noexcept and report failures to the error handler.
 #pragma once
