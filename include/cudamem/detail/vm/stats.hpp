@@ -14,6 +14,7 @@
 #include <cudamem/detail/vm/compactor.hpp>
 #include <cudamem/detail/vm/config.hpp>
 #include <cudamem/detail/vm/free_ranges.hpp>
+#include <cudamem/detail/vm/grow_ahead.hpp>  // vm_compactor::tail_bytes
 #include <cudamem/detail/vm/handle_set.hpp>
 #include <cudamem/detail/vm/live_blocks.hpp>
 #include <cudamem/detail/vm/options.hpp>
