@@ -448,6 +448,10 @@ class timed_mapping final : public cudamem::detail::vm_mapping_layer {
     const stopwatch w{*this, unmap_call};
     inner_.unmap(va, bytes);
   }
+  void add_peer(int device) override { inner_.add_peer(device); }
+  void set_peer_access(std::uintptr_t va, std::size_t bytes, int device) override {
+    inner_.set_peer_access(va, bytes, device);
+  }
   void set_access(std::uintptr_t va, std::size_t bytes) override {
     const stopwatch w{*this, access_call};
     inner_.set_access(va, bytes);
