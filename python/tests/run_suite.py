@@ -127,15 +127,25 @@ def check_missing_prerequisites(work, env):
     return failures
 
 
+# What the PyTorch allocator is compiled from at the first install() (cudamem/_torch_build.py):
+# the only sources a wheel holds. No header of cudamem's C++ library or of GSL.
+TORCH_ALLOCATOR_SOURCES = {"cudamem/_torch/torch_allocator.cpp", "cudamem/_torch/graph_pool.hpp",
+                           "cudamem/_torch/snapshot_layout.hpp", "cudamem/_torch/stats.hpp",
+                           "cudamem/_torch/trace_ring.hpp", "cudamem/include/cudamem_c.h"}
+
+
 def check_wheel_contents(wheel):
-    """The wheel holds the package and libcudamem_c, and no header of cudamem or GSL."""
+    """The wheel holds the package, libcudamem_c and the PyTorch allocator's sources, and no
+    other header (cudamem's or GSL's)."""
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
     failures = []
-    for required in ("cudamem/__init__.py", "cudamem/_native.py", "cudamem/libcudamem_c.so"):
+    for required in ["cudamem/__init__.py", "cudamem/_native.py", "cudamem/libcudamem_c.so",
+                     "cudamem/_torch_build.py"] + sorted(TORCH_ALLOCATOR_SOURCES):
         if required not in names:
             failures.append("the wheel lacks %s (it has %s)" % (required, names))
-    headers = [n for n in names if n.endswith((".h", ".hpp"))]
+    headers = [n for n in names
+               if n.endswith((".h", ".hpp")) and n not in TORCH_ALLOCATOR_SOURCES]
     if headers:
         failures.append("the wheel holds headers: %s" % headers)
     return failures

@@ -10,43 +10,37 @@
 //   if (heap.is_wholly_free(region)) heap.remove_region(region);  // give it back upstream
 //
 // How it works (for a student)
-// - Every block (free or in use) is a host-side node: address, size, its address neighbours in
-//   the same region (prev_phys/next_phys) and, when free, its place in a size-class list. The
-//   managed memory is never read or written, so it may be device memory or a fake range.
-// - Free blocks are binned by size in two levels: the first level is the power of two
-//   (floor(log2(size))), the second splits each power of two into 32 equal classes. One bit
-//   per non-empty list in two bitmaps makes "the smallest non-empty class that is large enough"
-//   two find-first-set instructions: O(1) whatever the number of free blocks.
-// - allocate() first looks at a few blocks of the request's own class (a block there may fit
-//   exactly: near best fit), then takes the head of the next class up, where every block fits
-//   (TLSF's "good fit": at most 1/32 larger than needed before splitting). The block is split
-//   and the rest goes back as a free block; free() merges the block with free address
-//   neighbours at once, so no two free blocks are ever adjacent. When a cut or a merge leaves
-//   the free block in its size class (the common case for a large chunk's free tail), the free
-//   block keeps its node and its place in its list: no unlinking and relinking.
+// - Every block (free or in use) is a host-side node (tlsf_nodes.hpp): address, size, its
+//   neighbours in the same region and, when free, its place in a size-class list. The managed
+//   memory is never read or written, so it may be device memory or a fake range.
+// - Free blocks are binned in two levels: the power of two, then 32 equal classes within it.
+//   One bit per non-empty list in two bitmaps makes "the smallest non-empty class that is large
+//   enough" two find-first-set instructions: O(1) whatever the number of free blocks.
+// - allocate() looks at a few blocks of the request's own class (one may fit exactly), then
+//   takes the head of the next class up, where every block fits (TLSF's "good fit": at most
+//   1/32 too large); the rest of the block stays free. free() merges with free neighbours at
+//   once: no two free blocks are adjacent. A cut or merge that leaves a free block in its class
+//   keeps its node and its place in its list (a large chunk's free tail: no relinking).
 // - A caller may say which blocks it would rather have (pool_resource: one that needs no wait
-//   for another stream's work). allocate(..., prefer, reach) still makes its usual pick first;
-//   only when prefer() refuses it does it look further — the request's own class, then a few
-//   blocks of a few classes up, never a block more than twice the request or than its usual
-//   pick — and takes the first block prefer() accepts, else its usual pick.
+//   for another stream's work): allocate(..., prefer, reach) looks further only when prefer()
+//   refuses its usual pick (own class, then a few blocks of a few classes up, never more than
+//   twice the request), taking the first block prefer() accepts, else the usual pick.
 // - A region is one contiguous range (an upstream allocation). Blocks never merge across
 //   regions, so a region whose one block is free can be handed back whole. extend_region()
-//   grows a region at its end: a pool over a growable virtual address range maps more memory
-//   behind the range and tells the heap, and the new bytes merge with the free tail.
+//   grows a region at its end (a pool over a growable range); the new bytes merge.
 //
 // Contract
-// - All sizes and addresses are multiples of `granule` (a power of two). Region bases must be
-//   granule-aligned; region sizes are rounded down to the granule.
-// - allocate(bytes, alignment[, largest_split]) returns a block of exactly round_up(bytes, granule) bytes whose
-//   address is aligned to `alignment` (any power of two), or nullptr when no free block can
-//   hold it. It throws only std::bad_alloc (host memory for nodes), leaving the heap unchanged.
-// - free(b) takes a block allocate() returned and not yet freed; it is noexcept.
-// - `Tag` is per-block data the user keeps with free blocks (pool_resource: which streams'
-//   frees are pending). It must be default-constructible and copyable and have
-//   `void absorb(const Tag& other)`; merged blocks absorb each other's tags, split blocks copy
-//   theirs. `no_tag` is the empty default.
-// - Not thread-safe: the owner locks.
+// - Sizes and addresses are multiples of `granule` (a power of two); region sizes round down.
+// - allocate(bytes, alignment[, largest_split]) returns a block of exactly round_up(bytes,
+//   granule) bytes aligned to `alignment` (a power of two), or nullptr when no free block
+//   holds it; it throws only std::bad_alloc (nodes), leaving the heap unchanged.
+// - free(b) takes a block allocate() returned and not yet freed; noexcept. Not thread-safe.
+// - `Tag`: per-block data kept with free blocks (pool_resource: which streams' frees are
+//   pending); default-constructible, copyable, with `void absorb(const Tag&)` (merged blocks
+//   absorb each other's, split ones copy). `no_tag` is the empty default.
 #pragma once
+
+#include <cudamem/detail/pool/tlsf_nodes.hpp>
 
 #include <algorithm>
 #include <bit>
@@ -55,61 +49,8 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
-#include <new>
-#include <vector>
 
 namespace cudamem::detail {
-
-/// The empty per-block tag.
-struct no_tag {
-  void absorb(const no_tag& /*other*/) noexcept {}
-};
-
-/// How allocate() looks for a block its caller prefers: `classes` non-empty size classes at
-/// or above the first whose every block fits, `depth` blocks of each; `only`: a preferred
-/// block or none (nullptr); `within_twice`: never a preferred block more than twice the
-/// request (or than the usual pick, when that is larger and `only` is off).
-struct tlsf_reach {
-  unsigned classes = 8;
-  unsigned depth = 4;
-  bool only = false;
-  bool within_twice = true;
-};
-
-template <class Tag>
-struct tlsf_region;
-
-/// One block of a region: free or in use. Host-side only. The fields a user touches when it
-/// reuses a block whole (pool_resource's cache) come first, in the first cache line.
-template <class Tag>
-struct alignas(64) tlsf_block {
-  std::uintptr_t address = 0;
-  std::size_t size = 0;
-  /// Free for the heap's user while the block is in use (pool_resource: its block_cache).
-  tlsf_block* next_cached = nullptr;
-  tlsf_region<Tag>* region = nullptr;  ///< here, not below: a user that frees reads it at once
-  bool free = false;
-  bool cached = false;  ///< also the user's, like next_cached
-  Tag tag{};
-  tlsf_block* prev_phys = nullptr;  ///< the block just below in the same region, or nullptr
-  tlsf_block* next_phys = nullptr;  ///< the block just above in the same region, or nullptr
-  tlsf_block* prev_free = nullptr;  ///< size-class list links, meaningful while free
-  tlsf_block* next_free = nullptr;
-};
-
-/// One contiguous range given to the heap.
-template <class Tag>
-struct tlsf_region {
-  std::uintptr_t base = 0;
-  std::size_t size = 0;
-  tlsf_block<Tag>* first = nullptr;
-  tlsf_block<Tag>* last = nullptr;
-  tlsf_region* prev = nullptr;
-  tlsf_region* next = nullptr;
-  tlsf_region* prev_idle = nullptr;  ///< links in the heap's list of wholly free regions
-  tlsf_region* next_idle = nullptr;
-  std::uint32_t owner = 0;  ///< free for the user (pool_resource: which tier the region is in)
-};
 
 template <class Tag = no_tag>
 class tlsf_heap {
@@ -146,13 +87,13 @@ class tlsf_heap {
     assert(base % granule_ == 0);
     size &= ~(granule_ - 1);
     assert(size > 0);
-    reserve_nodes(1);
+    nodes_.reserve(1);
     auto holder = std::make_unique<region>();
     region* r = holder.release();
     r->base = base;
     r->size = size;
     r->owner = owner;
-    block* b = take_node();
+    block* b = nodes_.take();
     b->address = base;
     b->size = size;
     b->region = r;
@@ -176,7 +117,7 @@ class tlsf_heap {
     if (extra == 0) {
       return;
     }
-    reserve_nodes(1);
+    nodes_.reserve(1);
     block* tail = r->last;
     r->size += extra;
     total_bytes_ += extra;
@@ -186,7 +127,7 @@ class tlsf_heap {
       insert_free(tail);
       return;
     }
-    block* b = take_node();
+    block* b = nodes_.take();
     b->address = tail->address + tail->size;
     b->size = extra;
     b->region = r;
@@ -206,7 +147,7 @@ class tlsf_heap {
   void remove_region(region* r) noexcept {
     assert(is_wholly_free(r));
     remove_free(r->first);
-    recycle_node(r->first);
+    nodes_.recycle(r->first);
     (r->prev != nullptr ? r->prev->next : regions_) = r->next;
     if (r->next != nullptr) {
       r->next->prev = r->prev;
@@ -238,7 +179,7 @@ class tlsf_heap {
     if (size > std::numeric_limits<std::size_t>::max() - padding) {
       return nullptr;
     }
-    reserve_nodes(2);  // the two splits below must not fail half-way
+    nodes_.reserve(2);  // the two splits below must not fail half-way
     block* b = find_free(size + padding, size, alignment);
     if (b == nullptr || b->size > largest_split) {
       return nullptr;
@@ -261,7 +202,7 @@ class tlsf_heap {
     if (size > std::numeric_limits<std::size_t>::max() - padding) {
       return nullptr;
     }
-    reserve_nodes(2);  // the two splits below must not fail half-way
+    nodes_.reserve(2);  // the two splits below must not fail half-way
     block* b = find_free(size + padding, size, alignment);
     if (b == nullptr || b->size > largest_split) {
       return nullptr;
@@ -565,7 +506,7 @@ class tlsf_heap {
   /// Cuts `size` bytes off the bottom of free block `b` (not a whole region, and still in the
   /// same size class afterwards) as a new in-use block; b keeps the rest, staying in its list.
   block* cut_below(block* b, std::size_t size) noexcept {
-    block* lower = take_node();
+    block* lower = nodes_.take();
     lower->address = b->address;
     lower->size = size;
     lower->region = b->region;
@@ -607,12 +548,12 @@ class tlsf_heap {
     }
     n->size += b->size;
     free_bytes_ += b->size;
-    recycle_node(b);
+    nodes_.recycle(b);
   }
 
   /// Cuts `b` (not in a free list) at `offset`; returns the upper part, linked after `b`.
   block* split(block* b, std::size_t offset) noexcept {
-    block* upper = take_node();
+    block* upper = nodes_.take();
     upper->address = b->address + offset;
     upper->size = b->size - offset;
     upper->region = b->region;
@@ -638,41 +579,7 @@ class tlsf_heap {
     } else {
       b->region->last = b;
     }
-    recycle_node(upper);
-  }
-
-  // --- node storage: slabs of nodes and a free list, so splitting never calls new -----------
-
-  void reserve_nodes(std::size_t count) {
-    while (spare_count_ < count) {
-      constexpr std::size_t slab_size = 256;
-      slabs_.push_back(std::make_unique<block[]>(slab_size));  // may throw: nothing changed yet
-      for (std::size_t i = 0; i < slab_size; ++i) {
-        recycle_node(&slabs_.back()[i]);
-      }
-    }
-  }
-  /// A spare node with its links cleared. The caller sets address, size, region and tag; the
-  /// rest is left as it was (not `*b = block{}`: zeroing all three cache lines of a node
-  /// cost more than the split it is for).
-  block* take_node() noexcept {
-    assert(spare_ != nullptr);
-    block* b = spare_;
-    spare_ = b->next_free;
-    --spare_count_;
-    b->next_cached = nullptr;
-    b->free = false;
-    b->cached = false;
-    b->prev_phys = nullptr;
-    b->next_phys = nullptr;
-    b->prev_free = nullptr;
-    b->next_free = nullptr;
-    return b;
-  }
-  void recycle_node(block* b) noexcept {
-    b->next_free = spare_;
-    spare_ = b;
-    ++spare_count_;
+    nodes_.recycle(upper);
   }
 
   std::size_t granule_;
@@ -687,9 +594,7 @@ class tlsf_heap {
   std::size_t total_bytes_ = 0;
   std::size_t free_bytes_ = 0;
   std::size_t free_blocks_ = 0;
-  std::vector<std::unique_ptr<block[]>> slabs_;
-  block* spare_ = nullptr;
-  std::size_t spare_count_ = 0;
+  tlsf_node_store<block> nodes_;  ///< every block's node (tlsf_nodes.hpp)
 };
 
 }  // namespace cudamem::detail
