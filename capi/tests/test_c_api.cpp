@@ -450,3 +450,13 @@ TEST_CASE("c api: the peak of reserved memory, and its reset") {
   CHECK(cudamem_reset_peak_reserved(id, 99) == CUDAMEM_ERROR_INVALID_ARGUMENT);
   CHECK(cudamem_reset_peak_reserved(id, 1) == CUDAMEM_OK);  // a device not used yet: nothing
 }
+
+TEST_CASE("c api: add_peer refuses a device or a peer that does not exist, and an allocator") {
+  const int id = make("simulate_bytes=1GiB");
+  destroyer d{id};
+  CHECK(cudamem_add_peer(id, 0, 77) == CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(last(), Catch::Contains("device 77 does not exist"));
+  CHECK(cudamem_add_peer(id, 99, 1) == CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(cudamem_add_peer(77, 0, 1) == CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(cudamem_add_peer(id, 0, 0) == CUDAMEM_OK);  // its own device: nothing to do
+}
