@@ -460,3 +460,32 @@ TEST_CASE("c api: add_peer refuses a device or a peer that does not exist, and a
   CHECK(cudamem_add_peer(77, 0, 1) == CUDAMEM_ERROR_INVALID_ARGUMENT);
   CHECK(cudamem_add_peer(id, 0, 0) == CUDAMEM_OK);  // its own device: nothing to do
 }
+
+TEST_CASE("c api: the IPC entry points refuse bad input before touching a device") {
+  const int id = make("simulate_bytes=1GiB");
+  destroyer d{id};
+  cudamem_ipc_export e{};
+  e.struct_size = sizeof(e);
+  int fds[4] = {-1, -1, -1, -1};
+  std::size_t count = 0;
+  int x = 0;
+  CHECK(cudamem_ipc_export_range(id, 0, &x, 4, nullptr, fds, 4, &count) ==
+        CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(cudamem_ipc_export_range(id, 0, &x, 4, &e, fds, 4, nullptr) ==
+        CUDAMEM_ERROR_INVALID_ARGUMENT);
+  cudamem_ipc_export old_size{};
+  old_size.struct_size = 8;
+  CHECK(cudamem_ipc_export_range(id, 0, &x, 4, &old_size, fds, 4, &count) ==
+        CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(cudamem_ipc_export_range(id, 0, &x, 4, &e, fds, 4, &count) ==
+        CUDAMEM_ERROR_INVALID_ARGUMENT);  // nothing allocated on device 0 yet
+  CHECK_THAT(last(), Catch::Contains("no memory of this allocator to share"));
+  CHECK(cudamem_ipc_export_range(77, 0, &x, 4, &e, fds, 4, &count) ==
+        CUDAMEM_ERROR_INVALID_ARGUMENT);
+  void* base = reinterpret_cast<void*>(1);
+  CHECK(cudamem_ipc_import(0, 1, fds, 1, 4 * MiB, nullptr) == CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(cudamem_ipc_import(0, 1, nullptr, 1, 4 * MiB, &base) == CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(cudamem_ipc_unmap(&x) == CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(last(), Catch::Contains("no memory of another process is mapped there"));
+  CHECK(cudamem_ipc_add_peer(&x, 1) == CUDAMEM_ERROR_INVALID_ARGUMENT);
+}

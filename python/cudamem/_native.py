@@ -131,7 +131,6 @@ def _declare(l):
         "cudamem_get_stats": (c_int, [c_int, c_int, ctypes.POINTER(Stats)]),
         "cudamem_report": (c_int, [c_int, c_int, c_u64, c_void, c_size, ctypes.POINTER(c_size)]),
         "cudamem_last_oom_report": (c_int, [c_int, c_void, c_size, ctypes.POINTER(c_size)]),
-        "cudamem_set_torch_oom_thrower": (None, [c_void]),
     }
     for name, (restype, argtypes) in signatures.items():
         f = getattr(l, name)
