@@ -40,15 +40,32 @@ needs_cupy_gpu = pytest.mark.skipif(not HAS_CUPY or CUDA_DEVICES == 0,
                                     reason="needs CuPy and a CUDA device")
 
 
-def run_python(code, env=None, expect_rc=0, timeout=300):
-    """Runs `code` in a fresh interpreter with this package importable; returns its stdout."""
+def start_python(code, env=None):
+    """Starts `code` in a fresh interpreter with this package importable; finish_python waits."""
     child_env = dict(os.environ)
     child_env["PYTHONPATH"] = PACKAGE_ROOT + os.pathsep + child_env.get("PYTHONPATH", "")
     child_env["PYTHONUNBUFFERED"] = "1"
     child_env.update(env or {})
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, env=child_env, timeout=timeout)
-    if done.returncode != expect_rc:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=child_env)
+
+
+def finish_python(child, expect_rc=0, timeout=300):
+    """Waits for a child of start_python; its stdout (with stderr when a failure is expected).
+    A child past `timeout` is killed and the test fails with what it printed."""
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, err = child.communicate()
+        raise AssertionError("child ran past %d s\n--- stdout\n%s\n--- stderr\n%s"
+                             % (timeout, out, err))
+    if child.returncode != expect_rc:
         raise AssertionError("child exited %d (expected %d)\n--- stdout\n%s\n--- stderr\n%s"
-                             % (done.returncode, expect_rc, done.stdout, done.stderr))
-    return done.stdout + done.stderr if expect_rc != 0 else done.stdout
+                             % (child.returncode, expect_rc, out, err))
+    return out + err if expect_rc != 0 else out
+
+
+def run_python(code, env=None, expect_rc=0, timeout=300):
+    """Runs `code` in a fresh interpreter with this package importable; returns its stdout."""
+    return finish_python(start_python(code, env), expect_rc, timeout)

@@ -8,7 +8,6 @@ import glob
 import os
 import re
 import subprocess
-import sys
 
 import pytest
 
@@ -32,8 +31,7 @@ def installed(tmp_path_factory):
     wheels = glob.glob(os.path.join(work, "wheels", "*.whl"))
     assert len(wheels) == 1, wheels
     venv = os.path.join(work, "venv")
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
-                    venv], check=True)
+    assert run_suite.make_venv(venv).returncode == 0
     python = os.path.join(venv, "bin", "python")
     subprocess.run([python, "-m", "pip", "install", "--no-deps", "--no-index", wheels[0]],
                    env=env, check=True)

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from conftest import CUDA_DEVICES, needs_torch_gpu, run_python
+from conftest import CUDA_DEVICES, finish_python, needs_torch_gpu, start_python
 
 pytestmark = [pytest.mark.gpu, needs_torch_gpu]
 
@@ -33,23 +33,53 @@ def settle():
 """
 
 
-def run(code, allocator, tmp_path=None, env=None, timeout=300):
-    """Runs PROLOGUE + code under `allocator`; returns {name: value} of its printed lines.
-    With tmp_path the program is a file (torch.multiprocessing's spawn needs one)."""
+# The cudamem run of a case starts beside its default run (two interpreters on one GPU, as two
+# users' programs would be), which halves the suite's time: most of a case is importing PyTorch
+# and compiling. Cases that read the device's free memory or fill it run alone (exclusive=True).
+_started = {}  # (source, env) -> the cudamem child started beside the default run
+
+
+def _source(code, allocator, tmp_path):
     source = PROLOGUE + textwrap.dedent(code)
+    if tmp_path is None:
+        return source
+    path = tmp_path / ("case_%s.py" % allocator)
+    path.write_text(source)
+    return "import runpy, sys; sys.argv = [%r]; runpy.run_path(%r, run_name='__main__')" % (
+        str(path), str(path))
+
+
+def _start(code, allocator, tmp_path, env):
     child_env = {"ALLOCATOR": allocator, "PYTHONWARNINGS": "ignore"}
     child_env.update(env or {})
-    if tmp_path is not None:
-        path = tmp_path / ("case_%s.py" % allocator)
-        path.write_text(source)
-        source = "import runpy, sys; sys.argv = [%r]; runpy.run_path(%r, run_name='__main__')" % (
-            str(path), str(path))
-    out = run_python(source, env=child_env, timeout=timeout)
+    return start_python(_source(code, allocator, tmp_path), env=child_env)
+
+
+def run(code, allocator, tmp_path=None, env=None, timeout=300, exclusive=False):
+    """Runs PROLOGUE + code under `allocator`; returns {name: value} of its printed lines.
+    With tmp_path the program is a file (torch.multiprocessing's spawn needs one)."""
+    key = (code, repr(sorted((env or {}).items())))
+    child = _started.pop(key, None) if allocator == "cudamem" else None
+    if child is None:
+        if allocator == "default" and not exclusive:
+            _started[key] = _start(code, "cudamem", tmp_path, env)
+        child = _start(code, allocator, tmp_path, env)
+    out = finish_python(child, timeout=timeout)
     values = {}
     for line in out.splitlines():
         name, _, value = line.partition(" ")
         values[name] = value
     return values
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_child_left():
+    """A cudamem run started beside a default run whose own test was deselected is stopped."""
+    yield
+    while _started:
+        _, child = _started.popitem()
+        child.kill()
+        child.communicate()
 
 
 @pytest.mark.parametrize("allocator", ALLOCATORS)
@@ -314,7 +344,7 @@ def test_memory_fraction(allocator):
             print("bad", "Invalid fraction value" in str(e))
         torch.cuda.set_per_process_memory_fraction(1.0)
         print("unlimited", torch.cuda.get_per_process_memory_fraction() == 1.0)
-    """, allocator)
+    """, allocator, exclusive=True)
     assert v["get"] == "True"
     assert v["limited"] == "True"
     assert v["within"] == "True"
@@ -349,7 +379,7 @@ def test_caching_allocator_alloc_profiler_and_empty_cache(allocator):
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         print("returned", torch.cuda.mem_get_info()[0] - free_with >= (1 << 30) - (64 << 20))
-    """, allocator)
+    """, allocator, exclusive=True)
     assert v["raw"] == "True"
     assert v["raw_freed"] == "True"
     assert v["profiler"] == "True"
@@ -514,5 +544,5 @@ def test_ddp_on_two_gpus_with_nccl(allocator, tmp_path):
             dist.destroy_process_group()
         if __name__ == "__main__":
             mp.spawn(rank_main, args=(2, CUDAMEM), nprocs=2)
-    """, allocator, tmp_path=tmp_path, timeout=400)
+    """, allocator, tmp_path=tmp_path, timeout=400, exclusive=True)
     assert v["ddp"] == "True"
