@@ -170,7 +170,8 @@ def test_snapshot_history_and_memory_viz(allocator, tmp_path):
         print("plots", len(_memory_viz.trace_plot(snap)) > 1000,
               len(_memory_viz.segment_plot(snap)) > 1000, len(_memory_viz.segsum(snap)) > 0)
         torch.cuda.memory._record_memory_history(None)
-        print("off", torch.cuda.memory._snapshot()["device_traces"] == [[]])
+        # (one trace per device: a two-GPU machine has two, both empty)
+        print("off", all(t == [] for t in torch.cuda.memory._snapshot()["device_traces"]))
     """, allocator, tmp_path=tmp_path)
     for key in ("segments", "tiled", "marker", "frames", "trace", "dumped"):
         assert v[key] == "True", key
