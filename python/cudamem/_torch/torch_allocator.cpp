@@ -137,7 +137,51 @@ cudamem_torch_allocator* the_allocator = nullptr;  // the deleter's way back (on
 void delete_block(void* ptr);
 void delete_uncached(void* ptr);
 
+/// Whether work on `stream` is being captured into a CUDA graph now.
+bool is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const bool active = cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
+                      status == cudaStreamCaptureStatusActive;
+  static_cast<void>(cudaGetLastError());
+  return active;
+}
+
+/// This thread's stream-capture interaction mode, relaxed for a scope: what cudamem does to
+/// find a chunk (a query, a host wait) is then not taken for part of a capture elsewhere.
+class relaxed_capture_mode {
+ public:
+  relaxed_capture_mode() { C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&previous_)); }
+  ~relaxed_capture_mode() { static_cast<void>(cudaThreadExchangeStreamCaptureMode(&previous_)); }
+  relaxed_capture_mode(const relaxed_capture_mode&) = delete;
+  relaxed_capture_mode& operator=(const relaxed_capture_mode&) = delete;
+
+ private:
+  cudaStreamCaptureMode previous_ = cudaStreamCaptureModeRelaxed;
+};
+
+/// A stream of the allocator's own on `device` (made once, kept for the process): where a graph
+/// pool's chunk is asked for while the requesting stream is captured.
+cudaStream_t chunk_stream(DeviceIndex device) {
+  static std::mutex mutex;
+  static std::map<DeviceIndex, cudaStream_t> streams;
+  const std::lock_guard lock(mutex);
+  cudaStream_t& s = streams[device];
+  if (s == nullptr) {
+    const c10::cuda::CUDAGuard on{device};
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  }
+  return s;
+}
+
 /// A chunk source for a graph pool: cudamem's stack, or a MemPool's own allocator.
+///
+/// A chunk asked for during a capture: cudamem may have to order it after work of other
+/// streams that last used the memory (a cudaStreamWaitEvent, or a host wait). Made on the
+/// capturing stream, such a wait would join uncaptured work to the graph (the capture fails
+/// with cudaErrorStreamCaptureIsolation). So the chunk is asked for on the allocator's own
+/// stream, in relaxed capture mode, and that stream is synchronised: the memory is idle before
+/// the graph can first run. (PyTorch's allocator, for the same reason, calls cudaMalloc there
+/// in relaxed mode.)
 class pool_chunks final : public cudamem::torch_bridge::chunk_source {
  public:
   pool_chunks(DeviceIndex device, std::shared_ptr<cca::CUDAAllocator> custom)
@@ -148,11 +192,27 @@ class pool_chunks final : public cudamem::torch_bridge::chunk_source {
       return custom_->raw_alloc_with_stream(bytes, static_cast<cudaStream_t>(stream));
     }
     void* p = nullptr;
-    const cudamem_status s = cudamem_allocate(process_allocator, bytes, device_, stream, &p);
+    if (!is_capturing(static_cast<cudaStream_t>(stream))) {
+      const cudamem_status s = cudamem_allocate(process_allocator, bytes, device_, stream, &p);
+      if (s == CUDAMEM_ERROR_OUT_OF_MEMORY) {
+        return nullptr;
+      }
+      check_status(s, "a graph pool's chunk");
+      return p;
+    }
+    const relaxed_capture_mode relaxed;
+    const cudaStream_t own = chunk_stream(device_);
+    const cudamem_status s = cudamem_allocate(process_allocator, bytes, device_, own, &p);
     if (s == CUDAMEM_ERROR_OUT_OF_MEMORY) {
       return nullptr;
     }
-    check_status(s, "a graph pool's chunk");
+    check_status(s, "a graph pool's chunk (during a capture)");
+    const cudaError_t done = cudaStreamSynchronize(own);
+    if (done != cudaSuccess) {
+      static_cast<void>(cudaGetLastError());
+      static_cast<void>(cudamem_deallocate(process_allocator, p, bytes, device_, own));
+      C10_CUDA_CHECK(done);
+    }
     return p;
   }
   void deallocate_chunk(void* p, std::size_t bytes, void* stream) noexcept override {
