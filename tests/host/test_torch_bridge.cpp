@@ -174,6 +174,33 @@ TEST_CASE("snapshot layout: segments tiled by blocks and gaps, holes taken out")
   CHECK(l.loose == std::vector<std::size_t>{3, 4});
 }
 
+TEST_CASE("snapshot layout: a graph pool's used range cut into the blocks side by side in it") {
+  // Two 512-byte tensors next to each other are one used range to the pool, two blocks to
+  // PyTorch (its CUDA graph trees count live blocks in the snapshot).
+  const std::map<std::uintptr_t, std::size_t> live{{0x1000, 0x200}, {0x1200, 0x200},
+                                                   {0x1400, 0x600}};
+  const auto bytes_at = [&](std::uintptr_t a) -> std::size_t {
+    const auto it = live.find(a);
+    return it == live.end() ? 0 : it->second;
+  };
+  const std::vector<span> three = blocks_tiling({0x1000, 0xa00}, bytes_at);
+  REQUIRE(three.size() == 3);
+  CHECK((three[0].address == 0x1000 && three[0].bytes == 0x200));
+  CHECK((three[1].address == 0x1200 && three[1].bytes == 0x200));
+  CHECK((three[2].address == 0x1400 && three[2].bytes == 0x600));
+  // Where no block starts, the rest stays with the block before it; at the start, whole.
+  const std::vector<span> rest = blocks_tiling({0x1000, 0x1000}, bytes_at);
+  REQUIRE(rest.size() == 3);
+  CHECK((rest[2].address == 0x1400 && rest[2].bytes == 0xc00));
+  const std::vector<span> whole = blocks_tiling({0x5000, 0x400}, bytes_at);
+  REQUIRE(whole.size() == 1);
+  CHECK((whole[0].address == 0x5000 && whole[0].bytes == 0x400));
+  // A block larger than what is left of the range is not believed.
+  const std::vector<span> short_range = blocks_tiling({0x1400, 0x200}, bytes_at);
+  REQUIRE(short_range.size() == 1);
+  CHECK(short_range[0].bytes == 0x200);
+}
+
 TEST_CASE("statistics: PyTorch's rounding, pools, and the two kinds of free") {
   CHECK(rounded_block_size(1) == 512);
   CHECK(rounded_block_size(1024) == 1024);

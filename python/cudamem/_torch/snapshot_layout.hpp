@@ -115,4 +115,30 @@ struct layout {
   return l;
 }
 
+/// A used range of a graph pool's chunk, cut into the blocks that tile it, in address order.
+/// (The pool knows its free ranges, not its blocks: two blocks side by side are one used range,
+/// and a snapshot that showed them as one block would count one tensor where there are two.)
+/// `block_bytes(address)` is the size of the live block that starts there, 0 if none does.
+/// Where no block starts, the rest of the range stays with the block before it (or, at the
+/// start, the range is returned whole): what cannot be told apart is shown as before.
+template <class BlockBytes>
+std::vector<span> blocks_tiling(span used, BlockBytes block_bytes) {
+  std::vector<span> out;
+  std::uintptr_t at = used.address;
+  while (at < used.end()) {
+    const std::size_t bytes = block_bytes(at);
+    if (bytes == 0 || bytes > used.end() - at) {
+      if (out.empty()) {
+        out.push_back(used);
+      } else {
+        out.back().bytes = used.end() - out.back().address;
+      }
+      break;
+    }
+    out.push_back({at, bytes});
+    at += bytes;
+  }
+  return out;
+}
+
 }  // namespace cudamem::torch_bridge

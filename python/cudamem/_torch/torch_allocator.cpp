@@ -1471,9 +1471,16 @@ cca::SnapshotInfo cudamem_torch_allocator::snapshot(MempoolId_t id, bool include
         for (const graph_pool::piece& piece : ps.pool.pieces_of(base)) {
           if (piece.free) {
             pieces.push_back({piece.address, piece.bytes, cudamem::torch_bridge::npos});
-          } else {
-            pieces.push_back({piece.address, piece.bytes, blocks.size()});
-            blocks.push_back(&live_.at(reinterpret_cast<void*>(piece.address)));
+          } else {  // one used range may hold several blocks side by side
+            const auto block_bytes = [this](std::uintptr_t a) -> std::size_t {
+              const auto b = live_.find(reinterpret_cast<void*>(a));
+              return b == live_.end() ? 0 : b->second.size;
+            };
+            for (const cudamem::torch_bridge::span& b : cudamem::torch_bridge::blocks_tiling(
+                     {piece.address, piece.bytes}, block_bytes)) {
+              pieces.push_back({b.address, b.bytes, blocks.size()});
+              blocks.push_back(&live_.at(reinterpret_cast<void*>(b.address)));
+            }
           }
         }
         add_segment(device, {base, chunk.bytes}, static_cast<cudaStream_t>(chunk.stream),
