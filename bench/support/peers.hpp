@@ -62,6 +62,7 @@ inline cudamem::pool_stream_stats difference(const cudamem::pool_stream_stats& a
   d.stream_waits = after.stream_waits - before.stream_waits;
   d.waits_skipped = after.waits_skipped - before.waits_skipped;
   d.host_waits = after.host_waits - before.host_waits;
+  d.wide_tags = after.wide_tags - before.wide_tags;
   d.device_syncs = after.device_syncs - before.device_syncs;
   d.upstream_allocations = after.upstream_allocations - before.upstream_allocations;
   d.upstream_returns = after.upstream_returns - before.upstream_returns;

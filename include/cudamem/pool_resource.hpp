@@ -170,7 +170,8 @@ struct pool_stream_stats {
   std::uint64_t stream_waits = 0;      ///< cudaStreamWaitEvent inserted
   std::uint64_t waits_skipped = 0;     ///< the stream already waited for those frees: no call
   std::uint64_t host_waits = 0;        ///< cudaEventSynchronize (the synchronous allocate)
-  std::uint64_t device_syncs = 0;      ///< cudaDeviceSynchronize (wide tags, give-backs)
+  std::uint64_t wide_tags = 0;  ///< blocks freed on more streams than a tag holds, made ready
+  std::uint64_t device_syncs = 0;      ///< cudaDeviceSynchronize (before giving chunks back)
   std::uint64_t upstream_allocations = 0;  ///< chunks taken from the upstream
   std::uint64_t upstream_returns = 0;      ///< chunks given back to it
 };
@@ -241,7 +242,8 @@ class pool_resource final : public memory_resource, private detail::stream_liste
     s.stream_waits = c.stream_waits;
     s.waits_skipped = c.waits_skipped;
     s.host_waits = c.host_waits;
-    s.device_syncs = c.device_syncs + chunks.device_syncs;
+    s.wide_tags = c.wide_tags;
+    s.device_syncs = chunks.device_syncs;
     s.upstream_allocations = chunks.upstream_allocations;
     s.upstream_returns = chunks.upstream_returns;
     return s;

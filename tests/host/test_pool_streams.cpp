@@ -212,6 +212,59 @@ TEST_CASE("pool streams: a stream waits once for another stream's frees, not onc
   }
 }
 
+TEST_CASE("pool streams: a block freed on more streams than a tag holds waits for those "
+          "streams, never for the whole device") {
+  host_stream_events events;
+  const detail::scoped_pool_stream_events use{events};
+  simulated_resource device;
+  // No cache: the freed blocks merge in the heap, and their tags with them.
+  pool_resource pool{device, one_shard({.cache_bytes = 0})};
+  const std::vector<cudaStream_t> five = {A, B, C, fake_stream(4), fake_stream(5)};
+  const cudaStream_t requester = fake_stream(6);
+
+  // Five neighbours, each freed on its own stream: one free range, five streams in its tag.
+  std::vector<void*> blocks;
+  for (std::size_t i = 0; i < five.size(); ++i) {
+    blocks.push_back(pool.allocate(64 * KiB, 256, five[i]));
+  }
+  void* keep = pool.allocate(4 * KiB, 256, requester);  // the rest of the chunk stays apart
+  for (std::size_t i = 0; i < five.size(); ++i) {
+    pool.deallocate(blocks[i], 64 * KiB, 256, five[i]);
+  }
+
+  SECTION("a request on a stream: that stream waits for each of the five, on the device") {
+    void* p = pool.allocate(5 * 64 * KiB, 256, requester);
+    CHECK(p == blocks[0]);
+    CHECK(events.calls().synchronize_device == 0);
+    CHECK(events.calls().record == 5);
+    CHECK(events.calls().wait == 5);
+    CHECK(events.last_wait().stream == requester);
+    const pool_stream_stats s = pool.stream_stats();
+    CHECK(s.wide_tags == 1);
+    CHECK(s.device_syncs == 0);
+    CHECK(s.cross_stream_blocks == 1);
+    pool.deallocate(p, 5 * 64 * KiB, 256, requester);
+  }
+  SECTION("once the device has caught up: no wait at all") {
+    events.complete_at_record(true);
+    void* p = pool.allocate(5 * 64 * KiB, 256, requester);
+    CHECK(p == blocks[0]);
+    CHECK(events.calls().wait == 0);
+    CHECK(events.calls().synchronize_device == 0);
+    CHECK(events.calls().query == 5);
+    pool.deallocate(p, 5 * 64 * KiB, 256, requester);
+  }
+  SECTION("the synchronous form waits for each of the five on the host") {
+    void* p = pool.allocate(5 * 64 * KiB);
+    CHECK(p == blocks[0]);
+    CHECK(events.calls().synchronize == 5);
+    CHECK(events.calls().synchronize_device == 0);
+    CHECK(pool.stream_stats().host_waits == 5);
+    pool.deallocate(p, 5 * 64 * KiB);
+  }
+  pool.deallocate(keep, 4 * KiB, 256, requester);
+}
+
 TEST_CASE("pool streams: a remembered wait is not trusted for a new stream with the same "
           "handle, nor after the stream is retired") {
   host_stream_events events;
@@ -541,12 +594,17 @@ class last_frees {
 
 }  // namespace
 
-TEST_CASE("pool streams: random work on four streams never reuses memory before its free is "
-          "complete or waited for") {
+TEST_CASE("pool streams: random work on four and on six streams never reuses memory before "
+          "its free is complete or waited for") {
   checking_events events;
   const detail::scoped_pool_stream_events use{events};
   simulated_resource device;
-  const std::vector<cudaStream_t> streams = {A, B, C, fake_stream(4)};
+  // Six streams: free blocks merge frees from more streams than a tag holds (wide tags).
+  const std::size_t stream_count = GENERATE(std::size_t{4}, std::size_t{6});
+  std::vector<cudaStream_t> streams;
+  for (std::size_t i = 1; i <= stream_count; ++i) {
+    streams.push_back(fake_stream(i));
+  }
   for (const int variant : {0, 1, 2}) {
     const bool cache_follows_use = variant == 1;
     const stream_reuse_policy reuse =
@@ -612,6 +670,9 @@ TEST_CASE("pool streams: random work on four streams never reuses memory before 
       CHECK(s.cross_stream_blocks > 0);
       CHECK(s.waits_skipped > 0);
       CHECK(s.stream_waits > 0);
+      if (stream_count > detail::pending_frees::capacity && !cache_follows_use) {
+        CHECK(s.wide_tags > 0);
+      }
     }
   }
 }

@@ -782,6 +782,7 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
   void complete_free(std::unique_lock<std::mutex>& lock, block b);
   void finish_pending_frees(std::unique_lock<std::mutex>& lock, bool wait);
   void finish_deferred(std::unique_lock<std::mutex>& lock);
+  void wait_for_uses(block& b);
   void release_dead_pools(MempoolId_t id, bool capturing);
   void release_pool_memory(std::map<MempoolId_t, pool_state>::iterator it);
   bool try_free_memory(std::unique_lock<std::mutex>& lock, DeviceIndex device);
@@ -1232,13 +1233,7 @@ void cudamem_torch_allocator::free(void* ptr) {
     }
   }
   if (!b.uses.empty()) {
-    const c10::cuda::CUDAGuard on{b.device};
-    for (const cudaStream_t s : b.uses) {
-      cudaEvent_t e = nullptr;
-      C10_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-      b.events.push_back(e);
-      C10_CUDA_CHECK(cudaEventRecord(e, s));
-    }
+    wait_for_uses(b);
     pending_.push_back(ptr);
     return;
   }
@@ -1309,6 +1304,18 @@ void cudamem_torch_allocator::finish_pending_frees(std::unique_lock<std::mutex>&
   }
 }
 
+/// A block freed while other streams still use it (record_stream): an event recorded on each
+/// of them now; the free completes once they have all passed it (finish_pending_frees).
+void cudamem_torch_allocator::wait_for_uses(block& b) {
+  const c10::cuda::CUDAGuard on{b.device};
+  for (const cudaStream_t s : b.uses) {
+    cudaEvent_t e = nullptr;
+    C10_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    b.events.push_back(e);
+    C10_CUDA_CHECK(cudaEventRecord(e, s));
+  }
+}
+
 /// Frees that waited for the captures to end: their events now, or the free itself.
 void cudamem_torch_allocator::finish_deferred(std::unique_lock<std::mutex>& lock) {
   std::vector<void*> deferred = std::move(deferred_);
@@ -1325,13 +1332,7 @@ void cudamem_torch_allocator::finish_deferred(std::unique_lock<std::mutex>& lock
       complete_free(lock, std::move(done));
       continue;
     }
-    const c10::cuda::CUDAGuard on{b.device};
-    for (const cudaStream_t s : b.uses) {
-      cudaEvent_t e = nullptr;
-      C10_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-      b.events.push_back(e);
-      C10_CUDA_CHECK(cudaEventRecord(e, s));
-    }
+    wait_for_uses(b);
     pending_.push_back(p);
   }
 }

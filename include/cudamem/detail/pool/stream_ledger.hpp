@@ -17,9 +17,10 @@
 // so single-stream code never calls CUDA; one recording then covers every free made so far.
 // `make_ready` either finds the event complete or makes t wait on it (cudaStreamWaitEvent,
 // free for t if s is already past it); the synchronous form (no stream) waits on the host.
-// A tag remembers up to 4 streams; a block merged from frees on more is handed out only after
-// a device-wide synchronisation. Frees on cudaStreamPerThread record their event at once
-// (another thread can never name that stream later).
+// A tag remembers up to 4 streams; a block merged from frees on more is ordered after every
+// stream with frees not known complete (it used to wait for the whole device, which CUDA
+// refuses while a stream is being captured). Frees on cudaStreamPerThread record their event
+// at once (another thread can never name that stream later).
 //
 // Waits are made once (issue 39). A stream-step of a multi-stream program takes dozens of
 // blocks another stream freed, all covered by one recording of that stream's event. Each used
@@ -112,7 +113,7 @@ struct pending_frees {
     std::uint64_t free_count;  ///< stream->frees just after the last free on it in this block
   };
   std::uint8_t count = 0;
-  bool overflow = false;  ///< more streams than fit: hand out only after a device sync
+  bool overflow = false;  ///< more streams than fit: ordered after every stream (make_ready)
   std::array<entry, capacity> entries{};
 
   /// Two free blocks merged: the result waits for both.
@@ -158,7 +159,7 @@ struct stream_counters {
   std::uint64_t stream_waits = 0;         ///< cudaStreamWaitEvent calls
   std::uint64_t waits_skipped = 0;        ///< the stream already waited for those frees: no call
   std::uint64_t host_waits = 0;           ///< cudaEventSynchronize (the synchronous allocate)
-  std::uint64_t device_syncs = 0;         ///< a tag of more streams than it holds
+  std::uint64_t wide_tags = 0;            ///< a tag of more streams than it holds, made ready
 
   void add(const stream_counters& o) noexcept {
     cross_stream_blocks += o.cross_stream_blocks;
@@ -168,7 +169,7 @@ struct stream_counters {
     stream_waits += o.stream_waits;
     waits_skipped += o.waits_skipped;
     host_waits += o.host_waits;
-    device_syncs += o.device_syncs;
+    wide_tags += o.wide_tags;
   }
 };
 
@@ -176,7 +177,7 @@ struct stream_counters {
 /// (nearly every free is on it).
 class stream_ledger {
  public:
-  /// `device`: the pool's (a default stream's device, and the device-wide synchronisation's).
+  /// `device`: the pool's (a default stream's device).
   /// `remember_waits` false: every block that crosses streams is checked with the driver (the
   /// pool before issue 39, for benchmarks: detail::scoped_pool_stream_choices).
   explicit stream_ledger(stream_event_driver& driver = cuda_stream_events(), int device = -1,
@@ -248,61 +249,25 @@ class stream_ledger {
   /// Makes a block tagged `pending` (not empty) safe to hand out on `stream` (null: to
   /// everyone, waiting on the host), then clears the tag. Throws cuda_error; the tag is then
   /// unchanged but for what is known complete.
+  ///
+  /// A tag that overflowed (frees from more streams than it holds) is ordered after every
+  /// stream with frees not known complete: all that the block can be made of, each as an entry
+  /// of its own would be (recorded, queried, waited for on `stream` or on the host). It used
+  /// to synchronise the device: a wait for unrelated work too, and a call CUDA refuses while
+  /// any stream of the device is being captured into a graph.
   void make_ready(pending_frees& pending, const stream_view* stream) {
-    if (pending.overflow) {
-      ++counters_.cross_stream_blocks;
-      ++counters_.device_syncs;
-      driver_->synchronize_device(device_);
-      pending.clear();
-      return;
-    }
     bool crossed = false;
     std::uint64_t stream_id = 0;  // asked at most once per block
-    for (std::size_t i = 0; i < pending.count; ++i) {
-      stream_record& rec = *pending.entries[i].stream;
-      const std::uint64_t n = pending.entries[i].free_count;
-      if (n <= rec.done || (stream != nullptr && rec.is(*stream) && !rec.retired)) {
-        continue;  // complete, or ordered before this request by the stream itself
+    if (pending.overflow) {
+      ++counters_.wide_tags;
+      for (auto& rec : streams_) {
+        crossed = order_after(*rec, rec->frees, stream, stream_id) || crossed;
       }
-      crossed = true;
-      if (stream == nullptr) {
-        if (rec.event_covers < n) {
-          record_event(rec);
-        }
-        ++counters_.host_waits;
-        driver_->synchronize(rec.event);
-        rec.done = std::max(rec.done, rec.event_covers);
-        continue;
-      }
-      const cudaStream_t t = stream->get();
-      const bool remember = rememberable(t);
-      if (stream_waiter* w = remember ? rec.waiter(t) : nullptr; w != nullptr && w->covers >= n) {
-        if (stream_id == 0) {
-          stream_id = driver_->stream_id(t);
-        }
-        if (stream_id != 0 && stream_id == w->id) {
-          ++counters_.waits_skipped;  // t already waits for these frees
-          continue;
-        }
-        *w = {};  // another stream with the same handle: it waited for nothing
-      }
-      if (rec.event_covers < n) {
-        record_event(rec);
-      }
-      ++counters_.event_queries;
-      if (driver_->query(rec.event)) {
-        rec.done = std::max(rec.done, rec.event_covers);
-        continue;
-      }
-      ++counters_.stream_waits;
-      driver_->wait(t, rec.event);
-      if (remember) {
-        if (stream_id == 0) {
-          stream_id = driver_->stream_id(t);
-        }
-        if (stream_id != 0) {
-          rec.remember_waiter(t, stream_id, rec.event_covers);
-        }
+    } else {
+      for (std::size_t i = 0; i < pending.count; ++i) {
+        crossed = order_after(*pending.entries[i].stream, pending.entries[i].free_count, stream,
+                              stream_id) ||
+                  crossed;
       }
     }
     if (crossed) {
@@ -370,6 +335,58 @@ class stream_ledger {
   /// Whether a wait by `s` may be remembered: not a default stream (see the header comment).
   [[nodiscard]] bool rememberable(cudaStream_t s) const noexcept {
     return remember_waits_ && !is_default_stream(s);
+  }
+
+  /// Orders a request on `stream` (null: the synchronous form) after the frees on rec's
+  /// stream up to its n-th. False when nothing was needed: they are known complete, or they
+  /// were made on `stream` itself (stream order). Otherwise: a wait `stream` already made for
+  /// them (remembered, its id checked), or the event found complete, or a new wait (on the
+  /// device for a stream, on the host for the synchronous form). Throws cuda_error.
+  bool order_after(stream_record& rec, std::uint64_t n, const stream_view* stream,
+                   std::uint64_t& stream_id) {
+    if (n <= rec.done || (stream != nullptr && rec.is(*stream) && !rec.retired)) {
+      return false;
+    }
+    if (stream == nullptr) {
+      if (rec.event_covers < n) {
+        record_event(rec);
+      }
+      ++counters_.host_waits;
+      driver_->synchronize(rec.event);
+      rec.done = std::max(rec.done, rec.event_covers);
+      return true;
+    }
+    const cudaStream_t t = stream->get();
+    const bool remember = rememberable(t);
+    if (stream_waiter* w = remember ? rec.waiter(t) : nullptr; w != nullptr && w->covers >= n) {
+      if (stream_id == 0) {
+        stream_id = driver_->stream_id(t);
+      }
+      if (stream_id != 0 && stream_id == w->id) {
+        ++counters_.waits_skipped;  // t already waits for these frees
+        return true;
+      }
+      *w = {};  // another stream with the same handle: it waited for nothing
+    }
+    if (rec.event_covers < n) {
+      record_event(rec);
+    }
+    ++counters_.event_queries;
+    if (driver_->query(rec.event)) {
+      rec.done = std::max(rec.done, rec.event_covers);
+      return true;
+    }
+    ++counters_.stream_waits;
+    driver_->wait(t, rec.event);
+    if (remember) {
+      if (stream_id == 0) {
+        stream_id = driver_->stream_id(t);
+      }
+      if (stream_id != 0) {
+        rec.remember_waiter(t, stream_id, rec.event_covers);
+      }
+    }
+    return true;
   }
 
   /// Records rec's event on its stream now, covering every free made on it so far.
