@@ -191,27 +191,25 @@ class pool_chunks final : public cudamem::torch_bridge::chunk_source {
       const c10::cuda::CUDAGuard on{device_};
       return custom_->raw_alloc_with_stream(bytes, static_cast<cudaStream_t>(stream));
     }
-    void* p = nullptr;
-    if (!is_capturing(static_cast<cudaStream_t>(stream))) {
-      const cudamem_status s = cudamem_allocate(process_allocator, bytes, device_, stream, &p);
-      if (s == CUDAMEM_ERROR_OUT_OF_MEMORY) {
-        return nullptr;
-      }
-      check_status(s, "a graph pool's chunk");
-      return p;
+    const bool capturing = is_capturing(static_cast<cudaStream_t>(stream));
+    std::optional<relaxed_capture_mode> relaxed;
+    if (capturing) {
+      relaxed.emplace();
     }
-    const relaxed_capture_mode relaxed;
-    const cudaStream_t own = chunk_stream(device_);
-    const cudamem_status s = cudamem_allocate(process_allocator, bytes, device_, own, &p);
+    void* const on = capturing ? static_cast<void*>(chunk_stream(device_)) : stream;
+    void* p = nullptr;
+    const cudamem_status s = cudamem_allocate(process_allocator, bytes, device_, on, &p);
     if (s == CUDAMEM_ERROR_OUT_OF_MEMORY) {
       return nullptr;
     }
-    check_status(s, "a graph pool's chunk (during a capture)");
-    const cudaError_t done = cudaStreamSynchronize(own);
-    if (done != cudaSuccess) {
-      static_cast<void>(cudaGetLastError());
-      static_cast<void>(cudamem_deallocate(process_allocator, p, bytes, device_, own));
-      C10_CUDA_CHECK(done);
+    check_status(s, capturing ? "a graph pool's chunk (during a capture)" : "a graph pool's chunk");
+    if (capturing) {
+      const cudaError_t done = cudaStreamSynchronize(static_cast<cudaStream_t>(on));
+      if (done != cudaSuccess) {
+        static_cast<void>(cudaGetLastError());
+        static_cast<void>(cudamem_deallocate(process_allocator, p, bytes, device_, on));
+        C10_CUDA_CHECK(done);
+      }
     }
     return p;
   }
