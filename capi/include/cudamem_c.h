@@ -169,6 +169,13 @@ CUDAMEM_C_API cudamem_status cudamem_deallocate(int id, void* p, size_t bytes, i
 /* `stream` also uses the block at p (see the contract). */
 CUDAMEM_C_API cudamem_status cudamem_record_stream(int id, void* p, cudamem_stream_t stream);
 
+/* Before a stream is captured into a CUDA graph (PyTorch's beginAllocateToPool calls it): every
+ * cudamem pool of the process records an event on each stream it owes one on (streams being
+ * captured excepted), so that blocks freed there before the capture can go to other streams
+ * during it, where no event may be recorded on the captured stream. A CUDA error gives
+ * CUDAMEM_ERROR_INTERNAL with its message; nothing is left half done that a retry cannot do. */
+CUDAMEM_C_API cudamem_status cudamem_prepare_for_graph_capture(void);
+
 /* Gives wholly free memory of `device` (-1: every device) back to the driver, after frees held
  * back by record_stream have finished; *released_bytes (may be NULL) gets the bytes. */
 CUDAMEM_C_API cudamem_status cudamem_release(int id, int device, uint64_t* released_bytes);

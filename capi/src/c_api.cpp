@@ -354,6 +354,16 @@ CUDAMEM_C_API cudamem_status cudamem_record_stream(int id, void* p, cudamem_stre
   return guarded([&] { allocator_at(id).record_stream(p, as_stream(stream)); });
 }
 
+CUDAMEM_C_API cudamem_status cudamem_prepare_for_graph_capture(void) {
+  return guarded([] {
+    problem_capture capture;
+    cudamem::prepare_for_graph_capture();
+    if (!capture.text.empty()) {
+      throw std::runtime_error(capture.text);
+    }
+  });
+}
+
 CUDAMEM_C_API cudamem_status cudamem_release(int id, int device, uint64_t* released_bytes) {
   return guarded([&] {
     const std::size_t released = allocator_at(id).release(device);

@@ -333,6 +333,20 @@ TEST_CASE("c api: record_stream holds a free back until the other stream is done
   CHECK(stats_of(id).pending_frees == 0);
 }
 
+TEST_CASE("c api: prepare_for_graph_capture takes no input, succeeds, and changes no stack") {
+  // What it records is tested where streams are tracked: test_pool_streams (a model device)
+  // and test_pool_device (a capture on the GPU). Here: a simulated stack, which owes nothing.
+  const int id = make("simulate_bytes=1GiB");
+  destroyer d{id};
+  void* p = nullptr;
+  REQUIRE(cudamem_allocate(id, MiB, 0, nullptr, &p) == CUDAMEM_OK);
+  CHECK(cudamem_prepare_for_graph_capture() == CUDAMEM_OK);
+  CHECK(stats_of(id).in_use_bytes == MiB);
+  CHECK(cudamem_deallocate(id, p, MiB, 0, nullptr) == CUDAMEM_OK);
+  CHECK(cudamem_prepare_for_graph_capture() == CUDAMEM_OK);
+  CHECK(stats_of(id).in_use_bytes == 0);
+}
+
 TEST_CASE("c api: a MemPool's allocator returns null at a failed allocation (raise_on_oom=0)") {
   const int id = make("resource=pool, simulate_bytes=1GiB, raise_on_oom=0");
   destroyer d{id};

@@ -62,6 +62,11 @@
 //   into a CUDA graph returns at once, before the graph has run. Memory a graph uses after its
 //   capture ends must come from async_resource (graph allocation nodes). exec_policy and
 //   with_temp_storage switch to graph memory by themselves (detail/interop/graph_temporary.hpp).
+//   No event can be recorded on a stream while it is captured, so a block last freed on such a
+//   stream before its capture, with no event recorded since, cannot go to another stream
+//   during the capture (cuda_error, cudaErrorStreamCaptureUnsupported, saying what to do):
+//   call `cudamem::prepare_for_graph_capture()` before beginning a capture (cudamem's PyTorch
+//   allocator does, in beginAllocateToPool). Streams being captured are never recorded on.
 // - Upstream memory of kind host, or device memory of device -1 (simulated_resource), is not
 //   stream-ordered: streams are ignored and the pool never calls CUDA.
 // - release() and the destructor return chunks with the synchronous upstream deallocate; if
@@ -223,6 +228,23 @@ class pool_resource final : public memory_resource, private detail::stream_liste
       const std::lock_guard lock(sh->mutex);
       sh->ledger.retire(s);
     }
+  }
+
+  /// Records an event on every stream this pool's frees were made on that no event covers
+  /// yet (streams being captured now excepted), so that a request can later be ordered after
+  /// those frees without recording on their streams, which a capture forbids. Returns how
+  /// many events it recorded. prepare_for_graph_capture() does it for every pool. Throws
+  /// cuda_error on a CUDA error.
+  std::size_t cover_frees() {
+    std::size_t recorded = 0;
+    if (!policy_.tracks_streams) {
+      return recorded;
+    }
+    for (auto& sh : shards_) {
+      const std::lock_guard lock(sh->mutex);
+      recorded += sh->ledger.cover_frees();
+    }
+    return recorded;
   }
 
   /// What the pool did to keep stream order (see the contract). Takes each shard's lock once:
@@ -468,6 +490,16 @@ class pool_resource final : public memory_resource, private detail::stream_liste
     }
   }
 
+  void before_graph_capture() noexcept override {
+    try {
+      static_cast<void>(cover_frees());
+    } catch (const cuda_error& e) {
+      report_error(e.code(), "pool_resource: recording events before a graph capture");
+    } catch (...) {
+      report_problem("pool_resource: could not record events before a graph capture");
+    }
+  }
+
   std::string_view do_name() const noexcept override { return "pool_resource"; }
   memory_resource* do_upstream() const noexcept override { return &chunks_.upstream(); }
 
@@ -485,5 +517,14 @@ class pool_resource final : public memory_resource, private detail::stream_liste
   std::vector<std::unique_ptr<shard>> shards_;
   mutable detail::chunk_set chunks_;  // mutable: upstream() hands out a non-const resource
 };
+
+/// Before a stream is captured into a CUDA graph: every pool_resource of the process that
+/// tracks streams records an event on each stream whose frees no event covers yet (streams
+/// already being captured are left alone), so that during the capture a block freed before it
+/// can be ordered after those frees without touching the captured stream. Cheap (an event
+/// record per such stream); errors go to the error handler.
+inline void prepare_for_graph_capture() noexcept {
+  detail::stream_listener_registry::instance().notify_before_graph_capture();
+}
 
 }  // namespace cudamem

@@ -102,6 +102,9 @@ namespace detail {
 class stream_listener {
  public:
   virtual void on_stream_destroy(cudaStream_t handle) noexcept = 0;
+  /// A stream of the process is about to be captured into a CUDA graph (which one is not
+  /// known): settle now what would otherwise have to be recorded on it during the capture.
+  virtual void before_graph_capture() noexcept {}
 
  protected:
   stream_listener() = default;
@@ -132,6 +135,12 @@ struct stream_listener_registry {
     const std::lock_guard lock(mutex);
     for (stream_listener* l : listeners) {
       l->on_stream_destroy(handle);
+    }
+  }
+  void notify_before_graph_capture() noexcept {
+    const std::lock_guard lock(mutex);
+    for (stream_listener* l : listeners) {
+      l->before_graph_capture();
     }
   }
 };

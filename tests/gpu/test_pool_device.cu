@@ -126,6 +126,67 @@ TEST_CASE("stream order: a block freed on A is not given to B before A's work ha
   pool.deallocate(q, bytes, 256, b);
 }
 
+namespace {
+
+/// While it lives, this thread may make calls a global-mode capture elsewhere forbids (what
+/// PyTorch's allocator does around cudaMalloc during a capture).
+struct relaxed_capture {
+  cudaStreamCaptureMode previous = cudaStreamCaptureModeRelaxed;
+  relaxed_capture() { check(cudaThreadExchangeStreamCaptureMode(&previous)); }
+  ~relaxed_capture() { cudaThreadExchangeStreamCaptureMode(&previous); }
+  relaxed_capture(const relaxed_capture&) = delete;
+  relaxed_capture& operator=(const relaxed_capture&) = delete;
+};
+
+}  // namespace
+
+TEST_CASE("stream order: a block freed on a stream now being captured goes to another stream "
+          "once prepare_for_graph_capture has marked the free; without it, a typed error") {
+  device_resource device;
+  pool_resource pool{device, {.shards = 1}};
+  stream a{{.non_blocking = true}};
+  stream b{{.non_blocking = true}};
+  const std::size_t bytes = race_elements * sizeof(unsigned);
+  auto* p = static_cast<unsigned*>(pool.allocate(bytes, 256, a));
+  slow_fill<<<1, 256, 0, a.get()>>>(p, race_elements, 0xAAAAAAAAU, race_spin);
+  check(cudaGetLastError());
+  pool.deallocate(p, bytes, 256, a);
+  const bool prepared = GENERATE(false, true);
+  INFO("prepare_for_graph_capture called: " << prepared);
+  if (prepared) {
+    prepare_for_graph_capture();
+  }
+  check(cudaStreamBeginCapture(a.get(), cudaStreamCaptureModeGlobal));
+  unsigned* q = nullptr;
+  {
+    const relaxed_capture relaxed;
+    if (prepared) {
+      q = static_cast<unsigned*>(pool.allocate(bytes, 256, b));
+    } else {
+      try {
+        static_cast<void>(pool.allocate(bytes, 256, b));
+        FAIL("allocate returned");
+      } catch (const cuda_error& e) {
+        CHECK(e.code() == cudaErrorStreamCaptureUnsupported);
+      }
+    }
+  }
+  cudaGraph_t graph = nullptr;
+  CHECK(cudaStreamEndCapture(a.get(), &graph) == cudaSuccess);  // the capture was not broken
+  if (graph != nullptr) {
+    check(cudaGraphDestroy(graph));
+  }
+  if (!prepared) {  // the capture over, the same block, with a wait
+    q = static_cast<unsigned*>(pool.allocate(bytes, 256, b));
+  }
+  REQUIRE(q == p);
+  fast_fill<<<256, 256, 0, b.get()>>>(q, race_elements, 0xBBBBBBBBU);
+  check(cudaGetLastError());
+  check(cudaDeviceSynchronize());
+  CHECK(count_not(q, race_elements, 0xBBBBBBBBU) == 0);  // after A's slow fill, not during
+  pool.deallocate(q, bytes, 256, b);
+}
+
 TEST_CASE("stream order: the same stream reuses a block at once; the sync form waits") {
   device_resource device;
   pool_resource pool{device, {.shards = 1}};

@@ -676,3 +676,61 @@ TEST_CASE("pool streams: random work on four and on six streams never reuses mem
     }
   }
 }
+
+TEST_CASE("pool streams: no event is recorded on a stream being captured into a graph; "
+          "prepare_for_graph_capture records it before") {
+  host_stream_events events;
+  const detail::scoped_pool_stream_events use{events};
+  simulated_resource device;
+  pool_resource pool{device, one_shard()};
+
+  SECTION("without it, a block freed on the captured stream cannot cross: a typed error, and "
+          "the block stays in the pool") {
+    void* on_b = pool.allocate(64 * KiB, 256, B);
+    pool.deallocate(on_b, 64 * KiB, 256, B);
+    events.set_capturing(B, true);
+    try {
+      static_cast<void>(pool.allocate(64 * KiB, 256, A));
+      FAIL("allocate returned");
+    } catch (const cuda_error& e) {
+      CHECK(e.code() == cudaErrorStreamCaptureUnsupported);
+      CHECK_THAT(e.what(), Catch::Contains("prepare_for_graph_capture"));
+    }
+    CHECK(events.calls().record == 0);
+    CHECK(pool.stats().used_bytes == 0);
+    events.set_capturing(B, false);  // the capture ended: the same block, with a wait
+    CHECK(pool.allocate(64 * KiB, 256, A) == on_b);
+    CHECK(events.calls().wait == 1);
+    pool.deallocate(on_b, 64 * KiB, 256, A);
+  }
+
+  SECTION("with it, the block goes to another stream during the capture, ordered by the "
+          "event recorded before; nothing is recorded on the captured stream") {
+    void* on_b = pool.allocate(64 * KiB, 256, B);
+    pool.deallocate(on_b, 64 * KiB, 256, B);
+    prepare_for_graph_capture();
+    CHECK(events.calls().record == 1);
+    CHECK(pool.cover_frees() == 0);  // nothing more is owed
+    events.set_capturing(B, true);
+    void* first = pool.allocate(64 * KiB, 256, A);
+    CHECK(first == on_b);
+    CHECK(events.calls().record == 1);
+    CHECK(events.calls().wait == 1);
+    CHECK(events.last_wait().stream == A);
+    pool.deallocate(first, 64 * KiB, 256, A);
+    events.set_capturing(B, false);
+  }
+
+  SECTION("a stream already being captured is left alone, and covered once its capture ends") {
+    void* on_c = pool.allocate(64 * KiB, 256, C);
+    pool.deallocate(on_c, 64 * KiB, 256, C);
+    events.set_capturing(C, true);
+    prepare_for_graph_capture();  // no error, no record
+    CHECK(events.calls().record == 0);
+    CHECK(pool.cover_frees() == 0);
+    CHECK(events.calls().capturing >= 2);
+    events.set_capturing(C, false);
+    CHECK(pool.cover_frees() == 1);
+    CHECK(events.calls().record == 1);
+  }
+}

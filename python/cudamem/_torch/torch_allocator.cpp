@@ -496,6 +496,12 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
 
   void beginAllocateToPool(DeviceIndex device, MempoolId_t id,
                            std::function<bool(cudaStream_t)> filter) override {
+    // PyTorch calls this just before cudaStreamBeginCapture: the last moment an event can be
+    // recorded on the stream it will capture. cudamem's pools record one wherever they owe
+    // one, so a chunk asked for during the capture can be ordered after frees made there.
+    if (cudamem_prepare_for_graph_capture() != CUDAMEM_OK) {
+      TORCH_WARN("cudamem: before a graph capture: ", last_error());
+    }
     const std::lock_guard lock(mutex_);
     for (const capture& c : captures_) {
       TORCH_CHECK(!(c.device == device && c.pool == id),

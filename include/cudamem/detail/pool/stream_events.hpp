@@ -35,6 +35,7 @@
 #include <map>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace cudamem::detail {
 
@@ -59,6 +60,11 @@ class stream_event_driver {
   /// created later with the same handle (cudaStreamGetId); 0 when it cannot tell.
   virtual std::uint64_t stream_id(cudaStream_t stream) noexcept = 0;
   virtual void destroy(cudaEvent_t event) noexcept = 0;
+  /// Whether `stream` is being captured into a CUDA graph now. No event may be recorded on it
+  /// then: the record would become a node of the graph, not a point in the stream's work (and
+  /// the runtime refuses some of the calls around it, failing the capture). noexcept; a model
+  /// device without graphs says false.
+  virtual bool capturing(cudaStream_t /*stream*/) noexcept { return false; }
 
  protected:
   stream_event_driver() = default;
@@ -141,6 +147,17 @@ class cuda_stream_event_driver final : public stream_event_driver {
   void destroy(cudaEvent_t event) noexcept override {
     report_error(cudaEventDestroy(event), "pool_resource: cudaEventDestroy");
   }
+  bool capturing(cudaStream_t stream) noexcept override {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const cudaError_t code = cudaStreamIsCapturing(stream, &status);
+    if (code != cudaSuccess) {
+      // The legacy default stream while another stream captures, or a capture already
+      // invalidated: nothing can be recorded on it either.
+      static_cast<void>(cudaGetLastError());
+      return code == cudaErrorStreamCaptureImplicit || code == cudaErrorStreamCaptureInvalidated;
+    }
+    return status != cudaStreamCaptureStatusNone;
+  }
 };
 
 /// The process's CUDA driver object (stateless; never destroyed, so pools destroyed at exit
@@ -205,7 +222,7 @@ class host_stream_events final : public stream_event_driver {
  public:
   struct call_counts {
     std::size_t record = 0, query = 0, wait = 0, synchronize = 0, synchronize_device = 0,
-                synchronize_stream = 0, stream_id = 0, destroy = 0;
+                synchronize_stream = 0, stream_id = 0, destroy = 0, capturing = 0;
   };
 
   /// What a stream was last made to wait for: the record number of each event it waited on.
@@ -218,6 +235,10 @@ class host_stream_events final : public stream_event_driver {
   void record(cudaEvent_t& event, cudaStream_t stream, int /*device*/) override {
     const std::lock_guard lock(mutex_);
     ++calls_.record;
+    if (captured_.count(stream) != 0) {
+      throw cuda_error(cudaErrorStreamCaptureUnsupported, "host_stream_events: a record on a "
+                                                          "stream being captured");
+    }
     if (event == nullptr) {
       event = reinterpret_cast<cudaEvent_t>(++next_event_);  // a number, never dereferenced
     }
@@ -272,6 +293,11 @@ class host_stream_events final : public stream_event_driver {
     ++calls_.destroy;
     events_.erase(event);
   }
+  bool capturing(cudaStream_t stream) noexcept override {
+    const std::lock_guard lock(mutex_);
+    ++calls_.capturing;
+    return captured_.count(stream) != 0;
+  }
 
   // --- what tests and simulations drive and read --------------------------------------------
 
@@ -312,6 +338,16 @@ class host_stream_events final : public stream_event_driver {
     const std::lock_guard lock(mutex_);
     complete_at_record_ = yes;
   }
+  /// `stream` is being captured into a graph (until set false): capturing() says so, and a
+  /// record on it fails as CUDA's would (cuda_error, cudaErrorStreamCaptureUnsupported).
+  void set_capturing(cudaStream_t stream, bool yes) {
+    const std::lock_guard lock(mutex_);
+    if (yes) {
+      captured_.insert(stream);
+    } else {
+      captured_.erase(stream);
+    }
+  }
   /// `stream` was destroyed and a new stream created with the same handle.
   void recreate(cudaStream_t stream) {
     const std::lock_guard lock(mutex_);
@@ -347,6 +383,7 @@ class host_stream_events final : public stream_event_driver {
   call_counts calls_;
   std::unordered_map<cudaEvent_t, state> events_;
   std::unordered_map<cudaStream_t, std::uint64_t> generations_;
+  std::unordered_set<cudaStream_t> captured_;
   std::unordered_map<cudaStream_t, std::uint64_t> last_work_;
   std::map<std::uint64_t, std::size_t> wait_distances_;
   std::uintptr_t next_event_ = 0;

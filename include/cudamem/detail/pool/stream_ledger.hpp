@@ -293,6 +293,9 @@ class stream_ledger {
         continue;
       }
       if (rec->event_covers < rec->frees) {
+        if (driver_->capturing(rec->handle)) {
+          continue;  // nothing can be learnt of it until its capture ends
+        }
         record_event(*rec);
       }
       ++counters_.event_queries;
@@ -302,6 +305,21 @@ class stream_ledger {
       }
     }
     return learnt;
+  }
+
+  /// Records an event on every stream whose frees no event covers yet, but streams being
+  /// captured into a graph now; returns how many it recorded. After it, a request can be
+  /// ordered after those frees without recording on their streams: what a stream about to be
+  /// captured needs (pool_resource's prepare_for_graph_capture). Throws cuda_error.
+  std::size_t cover_frees() {
+    std::size_t recorded = 0;
+    for (auto& rec : streams_) {
+      if (!rec->retired && rec->event_covers < rec->frees && !driver_->capturing(rec->handle)) {
+        record_event(*rec);
+        ++recorded;
+      }
+    }
+    return recorded;
   }
 
   /// `s` is about to be destroyed: records an event covering its frees (if any is not yet
@@ -346,6 +364,12 @@ class stream_ledger {
                    std::uint64_t& stream_id) {
     if (n <= rec.done || (stream != nullptr && rec.is(*stream) && !rec.retired)) {
       return false;
+    }
+    if (rec.event_covers < n && driver_->capturing(rec.handle)) {
+      throw cuda_error(cudaErrorStreamCaptureUnsupported,
+                       "pool_resource: a block was last freed on a stream that is now being "
+                       "captured into a CUDA graph, and no event marks that free; call "
+                       "cudamem::prepare_for_graph_capture() before the capture begins");
     }
     if (stream == nullptr) {
       if (rec.event_covers < n) {
