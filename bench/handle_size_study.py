@@ -94,6 +94,71 @@ def least_device(replay, log, handle_mib):
     return hi, peak
 
 
+def rounding_model(logs):
+    """Handles as pure rounding, no allocator: each block of a handle or more (4 MiB for the
+    schemes of several sizes) held in whole handles of its scheme, smaller ones packed exactly
+    (the pool's, as in vm_pool). Prints the peak of the held live bytes over the peak of the
+    requested ones, and handles made per GiB of blocks of 4 MiB or more (a handle costs ~34 us
+    each time it is recycled; the pool's chunks are not counted). The uniform rows check the model
+    against the replays; the others are schemes no allocator implements yet."""
+    mib = 1 << 20
+
+    def pow2_floor(x):
+        return 1 << (x.bit_length() - 1)
+
+    def uniform(h):
+        return lambda s: [h * mib] * -(-s // (h * mib)) if s >= h * mib else []
+
+    def by_size(k, top):  # a power of two near 1/k of the block, 4 MiB to `top` MiB
+        def f(s):
+            h = min(max(pow2_floor(s // k), 4 * mib), top * mib)
+            return [h] * -(-s // h)
+        return f
+
+    def body_and_tail(s):  # 32 MiB handles, then 4 MiB ones for what is left
+        body = s // (32 * mib)
+        return [32 * mib] * body + [4 * mib] * -(-(s - body * 32 * mib) // (4 * mib))
+
+    schemes = [(f"uniform {h} MiB", uniform(h)) for h in (4, 8, 16, 32, 64)]
+    schemes += [("1/4 of the block, 4-16 MiB", by_size(4, 16)),
+                ("1/4 of the block, 4-32 MiB", by_size(4, 32)),
+                ("1/2 of the block, 4-32 MiB", by_size(2, 32)),
+                ("32 MiB body + 4 MiB tail", body_and_tail)]
+    events = []
+    for _, path in logs:
+        with open(path) as f:
+            events.append([(l.split(",")[0], l.split(",")[4], int(l.split(",")[5]))
+                           for l in f if l[0] in "AF"])
+    rows = []
+    for name, handles_of in schemes:
+        ratios, per_gib = [], []
+        for log in events:
+            live, used, held, peak_used, peak_held, made, big = {}, 0, 0, 0, 0, 0, 0
+            for kind, p, n in log:
+                hs = handles_of(n) if n >= 4 * mib else []
+                size = sum(hs) if hs else n
+                if kind == "A":
+                    live[p] = n
+                    used += n
+                    held += size
+                    made += len(hs)
+                    big += n
+                else:
+                    live.pop(p)
+                    used -= n
+                    held -= size
+                peak_used, peak_held = max(peak_used, used), max(peak_held, held)
+            ratios.append(peak_held / peak_used)
+            per_gib.append(made / (big / (1 << 30)))
+        first = handles_of(64 * mib)
+        rows.append([name, spread(ratios, "%.3f") + "x", spread(per_gib, "%.1f"),
+                     str(len(first)), "%.2f" % (2 * len(first) * 0.034)])
+    print("Rounding model over the PyTorch-like logs (no allocator; 5 seeds, median (min-max))\n")
+    table(["scheme", "peak held / peak in use", "handles per GiB of blocks >= 4 MiB",
+           "handles per 64 MiB tensor", "ms per 128 MiB request here (2 tensors' handles x 34 us)"],
+          rows)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--build", default="build")
@@ -173,6 +238,7 @@ def main():
         rows.append([name, "%.0f" % peak] + ratios)
     print("Least device a replay completes on / its peak in use (bench_replay, vm_pool)\n")
     table(["log", "peak in use MiB"] + [f"{h} MiB" for h in HANDLES], rows)
+    rounding_model(logs[:5])
 
 
 if __name__ == "__main__":
