@@ -19,6 +19,8 @@
 //   bench_fragmentation --only vm_pool --pause-ms 2000   # cold runs start 2 s after a release
 //   bench_fragmentation --only vm_pool --grow-ahead-mib 1024   # vm_pools that grow ahead
 //   bench_fragmentation --only vm_pool --grow-ahead-floor-mib 0  # ... down to the last handle
+//   bench_fragmentation --simulated --handle-mib 16   # vm_pools with 16 MiB handles (default
+//                     # 64; the C API's PyTorch stack: 4): stranded memory against moves
 //   bench_fragmentation --only vm_pool --variants-only --variant bench --seeds 42
 //                     # one fresh vm_pool, cold then warm, as the process's first allocator:
 //                     # a cold start on a device at rest (the main table's cold mixed run
@@ -186,6 +188,12 @@ std::optional<std::size_t> vm_grow_ahead_bytes;
 std::optional<std::size_t> vm_grow_ahead_floor_bytes;
 /// `--growth-mib N`: the vm_pools' growth_bytes (0: the default).
 std::size_t vm_growth_bytes = 0;
+/// `--handle-mib N`: the vm_pools' handle_bytes (0: the default, vm_resource_options's 64 MiB;
+/// the C API's PyTorch and CuPy stacks use 4 MiB). The handle is the unit of recycling: a
+/// recycled handle costs the driver ~34 us whatever its size, so larger handles make a 128 MiB
+/// block out of fewer moves, and may strand more memory next to live blocks. This lets the
+/// simulated device show both sides.
+std::size_t vm_handle_bytes = 0;
 /// `--simulated-driver-us C,A`: with --simulated, each create takes C us and each set_access A
 /// us per handle (an H100's are ~22-35 and ~37): what overlaps the driver, studied on the host.
 unsigned sim_create_us = 0;
@@ -199,6 +207,9 @@ cudamem::vm_pool_options bench_vm_options() {
   }
   if (vm_growth_bytes != 0) {
     o.growth_bytes = vm_growth_bytes;
+  }
+  if (vm_handle_bytes != 0) {
+    o.handle_bytes = vm_handle_bytes;
   }
   o.grow_ahead_floor_bytes = vm_grow_ahead_floor_bytes;
   return o;
@@ -882,6 +893,9 @@ struct selection {
 void run_simulated(const selection& what) {
   constexpr std::size_t capacity = 80 * GiB;
   std::printf("simulated 80 GiB device (no GPU): host-side bookkeeping only, no driver costs\n");
+  if (vm_handle_bytes != 0) {  // said only when asked for: the default output stays as it was
+    std::printf("vm_pool handles: %zu MiB (--handle-mib)\n", vm_handle_bytes / MiB);
+  }
   if (!what.variants_only) {
     print_header();
   }
@@ -970,7 +984,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "usage: bench_fragmentation [--simulated] [--detail] [--only NAME] [--vm-runs N]\n"
                  "         [--pause-ms N] [--grow-ahead-mib N] [--grow-ahead-floor-mib N]\n"
-                 "         [--growth-mib N]\n"
+                 "         [--growth-mib N] [--handle-mib 2|4|8|16|32|64]\n"
                  "         [--simulated-driver-us C,A] [--stream-model busy|idle|pre39]\n"
                  "         [--variants-only]\n"
                  "         [--variant all|none|NAME[,NAME...]] [--seeds N[,N...]]\n"
@@ -998,6 +1012,24 @@ int main(int argc, char** argv) {
           static_cast<std::size_t>(std::max(0, std::atoi(argv[++i]))) * MiB;
     } else if (arg == "--growth-mib" && i + 1 < argc) {
       vm_growth_bytes = static_cast<std::size_t>(std::max(0, std::atoi(argv[++i]))) * MiB;
+    } else if (arg == "--handle-mib" && i + 1 < argc) {
+      // A handle is whole granules (2 MiB on current GPUs), and the pool's 64 MiB chunks must
+      // be whole handles (vm_pool_options::pool) or a wholly free chunk could not be recycled:
+      // so a power of two from 2 to 64. Anything else is refused rather than rounded, so that
+      // a table never names a size the run did not use.
+      const char* text = argv[++i];
+      char* end = nullptr;
+      const unsigned long long mib = std::strtoull(text, &end, 10);
+      if (text[0] < '0' || text[0] > '9' || *end != '\0' || mib < 2 || mib > 64 ||
+          (mib & (mib - 1)) != 0) {
+        std::fprintf(stderr,
+                     "bench_fragmentation: --handle-mib %s: the handle size must be a power of "
+                     "two from 2 to 64 (MiB): whole 2 MiB granules, and the pool's 64 MiB "
+                     "chunks whole handles\n",
+                     text);
+        return usage();
+      }
+      vm_handle_bytes = static_cast<std::size_t>(mib) * MiB;
     } else if (arg == "--simulated-driver-us" && i + 1 < argc) {
       const std::vector<std::string> us = split_list(argv[++i]);
       if (us.size() != 2) {
@@ -1083,6 +1115,9 @@ int main(int argc, char** argv) {
   if (cold_pause_ms > 0) {
     std::printf("cold experiments start %d ms after the allocator emptied its cache\n",
                 cold_pause_ms);
+  }
+  if (vm_handle_bytes != 0) {
+    std::printf("vm_pool handles: %zu MiB (--handle-mib)\n", vm_handle_bytes / MiB);
   }
   if (!what.variants_only) {
     print_header();
@@ -1210,7 +1245,7 @@ int main(int argc, char** argv) {
     {
       // The floor's costs, now: the device is empty again, and the driver's costs drift with
       // what it did before (another allocator's frees, the previous run's).
-      const std::size_t handle = cudamem::vm_resource_options{}.handle_bytes;
+      const std::size_t handle = bench_vm_options().handle_bytes;  // the runs' own handles
       measured_costs = measure_handle_costs(0, handle);
       std::printf("vm_pool run %d of %d; one %zu MiB handle costs the driver: cuMemCreate "
                   "%.1f us, cuMemMap %.1f us, cuMemSetAccess %.1f us (medians of 16, now)\n",
