@@ -496,9 +496,10 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
 
   void beginAllocateToPool(DeviceIndex device, MempoolId_t id,
                            std::function<bool(cudaStream_t)> filter) override {
-    // PyTorch calls this just before cudaStreamBeginCapture: the last moment an event can be
-    // recorded on the stream it will capture. cudamem's pools record one wherever they owe
-    // one, so a chunk asked for during the capture can be ordered after frees made there.
+    // A graph capture calls this just before cudaStreamBeginCapture: the last moment an event
+    // can be recorded on the stream it will capture. cudamem's pools record one wherever they
+    // owe one, so a chunk asked for during the capture can be ordered after frees made there.
+    // (use_mem_pool calls it too, with no capture to follow: a few event records, no more.)
     if (cudamem_prepare_for_graph_capture() != CUDAMEM_OK) {
       TORCH_WARN("cudamem: before a graph capture: ", last_error());
     }
