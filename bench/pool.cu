@@ -6,7 +6,8 @@
 //   ./run bench pool --simulated       # no GPU: the pool, vm_pool and arena over a simulated
 //                                      # device, i.e. the host-side cost of their bookkeeping
 //   options: --reps N (default 7), --trace NAME (only that trace), --only-pool (no peers),
-//            --only NAME (one of pool, vm_pool, arena: that row alone, for callgrind)
+//            --only NAME (one of pool, vm_pool, arena: that row alone, for callgrind),
+//            --pool-cache-follows-use 0|1 (the pool row's pool_options::cache_follows_use)
 //   bench/nvtx_cost.sh BUILD_DIR      # the pool with and without its NVTX annotations
 //                                      # (bench_pool_nvtx_off: -DCUDAMEM_NVTX=0), interleaved
 //
@@ -122,6 +123,9 @@ struct options {
   std::string only;
   bool only_pool = false;  ///< --only-pool: no peers (the NVTX on/off comparison)
   std::string only_row;    ///< --only NAME: that row alone (pool, vm_pool or arena)
+  /// --pool-cache-follows-use 0|1: the pool row's pool_options::cache_follows_use (the A/B of
+  /// that default; unset: the default).
+  int pool_cache_follows_use = -1;
 };
 
 options parse(int argc, char** argv) {
@@ -139,9 +143,13 @@ options parse(int argc, char** argv) {
     } else if (a == "--only" && i + 1 < argc) {
       o.only_row = argv[++i];
       o.only_pool = true;
+    } else if (a == "--pool-cache-follows-use" && i + 1 < argc &&
+               (std::strcmp(argv[i + 1], "0") == 0 || std::strcmp(argv[i + 1], "1") == 0)) {
+      o.pool_cache_follows_use = std::atoi(argv[++i]);
     } else {
       std::fprintf(stderr, "usage: bench_pool [--simulated] [--reps N] [--trace NAME] "
-                           "[--only-pool] [--only pool|vm_pool|arena]\n");
+                           "[--only-pool] [--only pool|vm_pool|arena] "
+                           "[--pool-cache-follows-use 0|1]\n");
       std::exit(2);
     }
   }
@@ -219,6 +227,10 @@ int main(int argc, char** argv) {
   }
   std::printf("ns per operation, median of %d runs (mt16: wall time over all threads' ops)\n",
               opt.reps);
+  if (opt.pool_cache_follows_use >= 0) {
+    std::printf("pool row: pool_options::cache_follows_use = %s\n",
+                opt.pool_cache_follows_use == 1 ? "true" : "false");
+  }
   std::printf("%-24s", "trace");
   for (const std::string& n : names) {
     std::printf(" %14s", n.c_str());
@@ -252,7 +264,11 @@ int main(int argc, char** argv) {
       } else {
         upstream = std::make_unique<cudamem::device_resource>(0);
       }
-      cudamem::pool_resource pool{*upstream};
+      cudamem::pool_options pool_opt;
+      if (opt.pool_cache_follows_use >= 0) {
+        pool_opt.cache_follows_use = opt.pool_cache_follows_use == 1;
+      }
+      cudamem::pool_resource pool{*upstream, pool_opt};
       results["pool"] = median_ns_per_op(opt.reps, [&] {
         return timed_replay(traces, [&](std::size_t i) { return resource_worker{&pool, stream_of(i)}; });
       });

@@ -52,6 +52,10 @@
 //   pool-complete    the pool with pool_options::stream_reuse = when_complete: memory freed on
 //                    another stream is reused only once known complete, else the pool grows
 //                    (no cross-stream waits; more memory): what the waits cost, in the same run
+//   pool-cache-kept  the pool with pool_options::cache_follows_use = false, the default until
+//                    2026-11-27: its cache keeps a finished stream-step's blocks where they
+//                    were, rather than merging them (peak reserved: 192 MiB against 160 MiB in
+//                    the model)
 //   vm_pool          the same over cudamem vm_pool_resource (and vm_pool-pre39,
 //                    vm_pool-complete)
 //   arena            one cudamem arena_resource per stream (over cudaMalloc'd chunks of
@@ -154,6 +158,8 @@ constexpr std::size_t medium_tensors = 8;
 constexpr std::size_t large_tensors = 2;
 constexpr std::size_t step_sort_keys = std::size_t{256} << 10;  // 1 MiB of uint32
 constexpr std::size_t loop_sort_keys = std::size_t{64} << 10;   // the sort loop's 64 Ki keys
+/// --simulated: what thrust's sort of the step's 256 Ki keys takes as a temporary, about.
+constexpr std::size_t sort_temporary = MiB + 96 * KiB;
 constexpr std::size_t tensors_per_stream_step = small_tensors + medium_tensors + large_tensors;
 
 // --- the plan: every size, drawn before anything is timed ----------------------------------------
@@ -832,7 +838,7 @@ options parse(int argc, char** argv) {
                    "usage: bench_workload [--quick] [--steps N] [--reps N] [--sorts N] "
                    "[--only A,B,...] [--no-probe] [--simulated [--growth-mib N] [--cache-mib N]]\n"
                    "rows: limit cudaMalloc cudaMallocAsync CUB pool+thrust pool pool-pre39 "
-                   "pool-complete vm_pool vm_pool-pre39 vm_pool-complete arena; sort: the sort loop\n");
+                   "pool-complete pool-cache-kept vm_pool vm_pool-pre39 vm_pool-complete arena; sort: the sort loop\n");
       std::exit(2);
     }
   }
@@ -913,7 +919,6 @@ void simulate(const std::string& name, bool vm, bool before_39, bool when_comple
   for (int i = 0; i < stream_count; ++i) {
     streams[static_cast<std::size_t>(i)] = reinterpret_cast<cudaStream_t>(std::uintptr_t{0x1000} * (i + 1));
   }
-  constexpr std::size_t sort_temporary = MiB + 96 * KiB;  // thrust's sort of 256 Ki keys, about
   std::size_t peak = 0;
   std::size_t largest_step = 0;
   cudamem::pool_stream_stats before{};
@@ -974,6 +979,39 @@ void simulate(const std::string& name, bool vm, bool before_39, bool when_comple
               distances.empty() ? "-" : distances.c_str());
 }
 
+/// The least memory a pool of two tiers can hold on this plan, whatever its placement: a tier's
+/// chunks serve only that tier and are kept once taken, so the pool holds at least the most
+/// the small tier ever has live plus the most the large tier ever has live, even when the two
+/// peaks fall in different stream-steps (cudaMalloc needs only the largest stream-step). One
+/// stream-step live at a time, as when every free waits for the device: the floor with no
+/// stream overlap at all. Sizes rounded to the pool's 256-byte blocks; `small_limit`: the
+/// largest request of the small tier (pool_options::small_block_limit).
+void print_tier_floor(const plan& p, std::size_t small_limit) {
+  std::size_t most_small = 0;
+  std::size_t most_large = 0;
+  std::size_t most_total = 0;
+  const auto rounded = [](std::size_t b) { return (b + 255) & ~std::size_t{255}; };
+  for (const auto& step : p.steps) {
+    for (const stream_step& ss : step) {
+      // The keys and the sort's temporary are small-tier blocks (1 MiB, 1.1 MiB).
+      std::size_t small = rounded(step_sort_keys * sizeof(std::uint32_t)) + rounded(sort_temporary);
+      std::size_t large = 0;
+      for (std::size_t b : ss.tensor_bytes) {
+        (b <= small_limit ? small : large) += rounded(b);
+      }
+      most_small = std::max(most_small, small);
+      most_large = std::max(most_large, large);
+      most_total = std::max(most_total, small + large);
+    }
+  }
+  std::printf("two-tier floor: the small tier's most live %.1f MiB + the large tier's most live "
+              "%.1f MiB = %.1f MiB, %.2fx the largest stream-step (%.1f MiB); chunks of whole "
+              "2 MiB granules only add to it\n\n",
+              mib(most_small), mib(most_large), mib(most_small + most_large),
+              static_cast<double>(most_small + most_large) / static_cast<double>(most_total),
+              mib(most_total));
+}
+
 int run_simulated(const options& opt) {
   const plan p = make_plan(opt.steps);
   cudamem::pool_options pool_opt;  // the defaults, but for what the command line says
@@ -993,19 +1031,22 @@ int run_simulated(const options& opt) {
               opt.steps, stream_count);
   std::printf("waits by distance: how many stream-steps back the work waited for was issued "
               "(1: the stream-step just before: the streams run one after another)\n\n");
+  print_tier_floor(p, pool_opt.small_block_limit);
   std::printf("%-16s %4s %8s %8s %8s %8s %8s %8s %7s %7s %6s  %s\n", "pool", "lag", "crossed",
               "preferred", "records", "queries", "waits", "skipped", "peak", "1 step", "ratio",
               "waits by distance");
   for (const std::size_t lag : {std::size_t{0}, std::size_t{1}, std::size_t{2}, std::size_t{4},
                                 std::size_t{8}}) {
     for (const bool vm : {false, true}) {
-      for (const char* variant : {"-pre39", "", "-complete"}) {
+      for (const char* variant : {"-pre39", "", "-complete", "-cache-kept"}) {
         const std::string name = std::string(vm ? "vm_pool" : "pool") + variant;
-        if (!opt.wants(name)) {
+        if (!opt.wants(name) || (vm && std::string(variant) == "-cache-kept")) {
           continue;
         }
+        cudamem::pool_options row_opt = pool_opt;
+        row_opt.cache_follows_use = std::string(variant) != "-cache-kept";
         simulate(name, vm, std::string(variant) == "-pre39", std::string(variant) == "-complete",
-                 lag, p, opt.steps, pool_opt);
+                 lag, p, opt.steps, row_opt);
       }
     }
   }
@@ -1082,8 +1123,11 @@ int main(int argc, char** argv) try {
   };
   // A pool row; `before_39`: built to choose blocks as before issue 39 (see the header);
   // `when_complete`: pool_options::stream_reuse = stream_reuse_policy::when_complete.
-  const auto pool_row = [&](bool thrust_default_sort, bool before_39, bool when_complete) {
-    return [&, thrust_default_sort, before_39, when_complete]() -> std::unique_ptr<row_base> {
+  // `cache_kept`: pool_options::cache_follows_use = false (the default before 2026-11-27).
+  const auto pool_row = [&](bool thrust_default_sort, bool before_39, bool when_complete,
+                            bool cache_kept = false) {
+    return [&, thrust_default_sort, before_39, when_complete,
+            cache_kept]() -> std::unique_ptr<row_base> {
       const cudamem::detail::scoped_pool_stream_choices choices{
           {.prefer_ready = !before_39, .remember_waits = !before_39}};
       auto device = std::make_unique<cudamem::device_resource>(0);
@@ -1091,6 +1135,7 @@ int main(int argc, char** argv) try {
       if (when_complete) {
         o.stream_reuse = cudamem::stream_reuse_policy::when_complete;
       }
+      o.cache_follows_use = !cache_kept;
       resource_ptr pool = std::make_unique<cudamem::pool_resource>(*device, o);
       return std::make_unique<resource_row>(std::move(device), std::move(pool), streams,
                                             thrust_default_sort, pool_reserved, pool_counts);
@@ -1117,6 +1162,7 @@ int main(int argc, char** argv) try {
       {"pool", pool_row(false, false, false)},
       {"pool-pre39", pool_row(false, true, false)},
       {"pool-complete", pool_row(false, false, true)},
+      {"pool-cache-kept", pool_row(false, false, false, true)},
       {"vm_pool", vm_pool_row(false, false)},
       {"vm_pool-pre39", vm_pool_row(true, false)},
       {"vm_pool-complete", vm_pool_row(false, true)},
@@ -1200,6 +1246,7 @@ int main(int argc, char** argv) try {
   // and against cudaMalloc's (the issue-39 target).
   const std::vector<std::string> peers = {"cudaMalloc", "cudaMallocAsync", "CUB"};
   const std::vector<std::string> ours = {"pool",          "pool-pre39",       "pool-complete",
+                                         "pool-cache-kept",
                                          "vm_pool",       "vm_pool-pre39",    "vm_pool-complete",
                                          "arena"};
   std::optional<std::size_t> best_peer_peak;
