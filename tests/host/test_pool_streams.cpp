@@ -324,35 +324,6 @@ TEST_CASE("pool streams: waits of default streams are never remembered") {
   }
 }
 
-TEST_CASE("pool streams: the small tier's growth gives back only large chunks whose frees are "
-          "complete: no device-wide synchronisation") {
-  host_stream_events events;
-  const detail::scoped_pool_stream_events use{events};
-  simulated_resource device;
-  pool_resource pool{device, one_shard({.growth_step = 8 * MiB, .small_chunk_size = 4 * MiB})};
-
-  void* large = pool.allocate(8 * MiB, 256, A);  // a large chunk of its own
-  pool.deallocate(large, 8 * MiB, 256, A);       // wholly free, A's work still pending
-  std::vector<void*> small;
-  for (int i = 0; i < 5; ++i) {  // the fifth MiB makes the small tier grow
-    small.push_back(pool.allocate(MiB, 256, A));
-  }
-  // The large chunk stays: giving it back now would mean a cudaDeviceSynchronize.
-  CHECK(pool.chunk_count() == 3);
-  CHECK(events.calls().synchronize_device == 0);
-  CHECK(pool.stream_stats().device_syncs == 0);
-  CHECK(pool.stream_stats().upstream_returns == 0);
-  CHECK(pool.allocate(8 * MiB, 256, A) == large);  // and serves A's next large request
-  pool.deallocate(large, 8 * MiB, 256, A);
-  for (void* p : small) {
-    pool.deallocate(p, MiB, 256, A);
-  }
-  // release() still gives back everything, synchronising first since frees are pending.
-  CHECK(pool.release() == 8 * MiB + 2 * 4 * MiB);
-  CHECK(events.calls().synchronize_device == 1);
-  CHECK(device.used_bytes() == 0);
-}
-
 TEST_CASE("pool streams: the synchronous allocate waits on the host, and prefers blocks that "
           "need no wait") {
   host_stream_events events;

@@ -194,11 +194,8 @@ class chunk_set {
       if (attempt == 0 && t == small_tier) {
         // Make room where cached large chunks are, rather than beside them: a new small chunk
         // then lands where a first-fit upstream would put it, and cached large chunks do not
-        // push small ones out between future large blocks. (Cheap when there are none.) Only
-        // chunks whose frees are known complete: this is placement, not need, and a chunk
-        // with frees pending would cost a device-wide synchronisation, which stalls every
-        // stream of the program (bench_server: 16 threads).
-        release_free(shards, &home, large_tier, /*idle_only=*/true);
+        // push small ones out between future large blocks. (Cheap when there are none.)
+        release_free(shards, &home, large_tier);
       }
       const std::lock_guard lock(home.mutex);
       if (obtain(home, t, chunk, cause)) {
@@ -221,11 +218,10 @@ class chunk_set {
     throw_out_of_memory(pool, bytes, alignment, "pool_resource: " + cause);
   }
 
-  /// Returns the wholly free chunks (of shard `only` and tier `only_tier`, when given; with
-  /// `idle_only`, only those with no free pending on a stream) to the upstream; returns their
-  /// bytes. Takes the shards' locks itself.
+  /// Returns the wholly free chunks (of shard `only` and tier `only_tier`, when given) to the
+  /// upstream; returns their bytes. Takes the shards' locks itself.
   std::size_t release_free(shard_list shards, const pool_shard* only = nullptr,
-                           int only_tier = -1, bool idle_only = false) noexcept {
+                           int only_tier = -1) noexcept {
     std::vector<returned_chunk> chunks;
     try {
       for (const auto& sh : shards) {
@@ -238,17 +234,12 @@ class chunk_set {
           if (only_tier >= 0 && &h != &sh->tiers[only_tier]) {
             continue;
           }
-          for (auto* r = h.first_idle_region(); r != nullptr;) {
-            auto* const next = r->next_idle;  // removing r leaves the rest of the list as it is
-            const bool pending = !r->first->tag.empty();
-            if (!(idle_only && pending)) {
-              if (chunks.size() == chunks.capacity()) {  // geometric growth: many chunks at once
-                chunks.reserve(2 * chunks.size() + 16);   // may throw: the region is still held
-              }
-              chunks.push_back({r->base, r->size, pending});
-              h.remove_region(r);
+          while (auto* r = h.first_idle_region()) {
+            if (chunks.size() == chunks.capacity()) {  // geometric growth: many chunks at once
+              chunks.reserve(2 * chunks.size() + 16);   // may throw: the region is still held
             }
-            r = next;
+            chunks.push_back({r->base, r->size, !r->first->tag.empty()});
+            h.remove_region(r);
           }
         }
       }
