@@ -17,7 +17,10 @@
 // - Kind and device are the upstream's. Every block is a multiple of 256 bytes and aligned to
 //   at least 256 (any power-of-two alignment may be asked for). A block reused from the cache
 //   (below) may be up to 1/8 larger than the request rounded to 256; `stats().used_bytes`
-//   counts the blocks' real sizes, so reserved = used + free always holds.
+//   counts the blocks' real sizes, so reserved = used + free always holds. The cache never
+//   holds more than is in use (`cache_follows_use`, on by default): once a run of work has
+//   freed what it held, the next run is cut from merged memory, not from blocks scattered
+//   where the last one left them.
 // - Growth: the pool asks its upstream for memory only when no free block fits. Requests up
 //   to `small_block_limit` come from chunks of `small_chunk_size`; larger ones from chunks of
 //   `growth_step`, or of the request's own size when it is larger. Small and large blocks never
