@@ -733,7 +733,7 @@ TEST_CASE("pool cache: its byte bound holds") {
   CHECK(s.largest_free_block == 3 * MiB);
 }
 
-TEST_CASE("pool cache: cache_follows_use (the default) flushes a cache that outgrew what is in use") {
+TEST_CASE("pool cache: cache_follows_use (default) flushes a cache that outgrew its use") {
   simulated_resource device;
   pool_resource pool{device, {.small_block_limit = 1 * MiB, .small_chunk_size = 4 * MiB,
                               .shards = 1}};
