@@ -124,6 +124,19 @@ typedef struct cudamem_stats {
   uint64_t device_frees;        /* vm_pool: physical handles given back (cuMemRelease) */
   uint64_t device_allocated_bytes; /* vm_pool: the bytes of device_allocations */
   uint64_t device_freed_bytes;     /* vm_pool: the bytes of device_frees */
+  /* Where a loop's host time can go, counted since the stack was made (pool and vm_pool; 0
+   * for async): */
+  uint64_t compactions;           /* vm_pool: free handles mapped again together to serve a
+                                     request; each waits on the host for the streams whose
+                                     frees cover them, and pays the driver per handle */
+  uint64_t kept_free_compactions; /* vm_pool: of compactions, those chosen over growth so that
+                                     the device keeps keep_free_bytes free */
+  uint64_t stream_waits;          /* cudaStreamWaitEvent the pool inserted (a block freed on
+                                     another stream, not yet known complete) */
+  uint64_t host_waits;            /* cudaEventSynchronize the pool made (a request with no
+                                     stream, for such a block) */
+  uint64_t device_syncs;          /* cudaDeviceSynchronize the pool made (before giving back
+                                     memory with frees still pending) */
 } cudamem_stats;
 
 /* An address range held from the device: a vm_pool's mapped range, a pool's chunk. */

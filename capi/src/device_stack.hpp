@@ -131,6 +131,12 @@ class device_stack {
   }
 
   /// What it holds (struct_size and the pending count are the caller's to fill).
+  static void add_stream_stats(cudamem_stats& s, const pool_stream_stats& p) noexcept {
+    s.stream_waits += p.stream_waits;
+    s.host_waits += p.host_waits;
+    s.device_syncs += p.device_syncs;
+  }
+
   [[nodiscard]] cudamem_stats stats() const {
     cudamem_stats s{};
     s.device = device_;
@@ -148,6 +154,7 @@ class device_stack {
     if (pool_ != nullptr) {
       s.peak_reserved_bytes = pool_->peak_reserved_bytes();
       s.segments = pool_->chunk_count();
+      add_stream_stats(s, pool_->stream_stats());
     }
     if (async_ != nullptr) {
       s.peak_reserved_bytes = async_->pool_usage().reserved_high;
@@ -164,6 +171,9 @@ class device_stack {
       s.largest_free_block = std::max<std::uint64_t>(v.largest_free_range,
                                                      v.pool_largest_free_block);
       s.held_ahead_bytes = v.held_ahead_bytes;  // whole handles free at the frontier
+      s.compactions = v.compactions;
+      s.kept_free_compactions = v.kept_free_compactions;
+      add_stream_stats(s, vm_pool_->pool().stream_stats());
     }
     s.limit_bytes = limit_ ? limit_->budget() : 0;
     return s;

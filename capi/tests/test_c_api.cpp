@@ -193,11 +193,18 @@ TEST_CASE("c api: the vm_pool's handles are 4 MiB unless handle_bytes says other
 TEST_CASE("c api: the vm_pool keeps 1 GiB of the device free while recycling can serve") {
   // 2 GiB device, no growth ahead. 1 GiB of 64 MiB blocks, every other one freed, then a
   // 128 MiB block, which no hole holds. With the default keep_free_bytes (1 GiB) the device
-  // is at the reserve: two holes are recycled, nothing is made (nothing held ahead). With 0
-  // it grows by a growth step (256 MiB), and the 128 MiB it did not need is held ahead.
-  for (const auto& [text, held_ahead] :
-       {std::pair<const char*, std::uint64_t>{"simulate_bytes=2GiB, grow_ahead_bytes=0", 0},
-        {"simulate_bytes=2GiB, grow_ahead_bytes=0, keep_free_bytes=0", 128 * MiB}}) {
+  // is at the reserve: two holes are recycled, nothing is made (nothing held ahead), and the
+  // statistics count one compaction, chosen to keep the reserve. With 0 it grows by a growth
+  // step (256 MiB), and the 128 MiB it did not need is held ahead; no compaction.
+  struct variant {
+    const char* text;
+    std::uint64_t held_ahead;
+    std::uint64_t compactions;
+  };
+  for (const variant& v :
+       {variant{"simulate_bytes=2GiB, grow_ahead_bytes=0", 0, 1},
+        variant{"simulate_bytes=2GiB, grow_ahead_bytes=0, keep_free_bytes=0", 128 * MiB, 0}}) {
+    const char* const text = v.text;
     INFO(text);
     const int id = make(text);
     destroyer d{id};
@@ -208,9 +215,17 @@ TEST_CASE("c api: the vm_pool keeps 1 GiB of the device free while recycling can
     for (std::size_t i = 0; i < blocks.size(); i += 2) {
       REQUIRE(cudamem_deallocate(id, blocks[i], 64 * MiB, 0, nullptr) == CUDAMEM_OK);
     }
+    CHECK(stats_of(id).compactions == 0);
     void* big = nullptr;
     REQUIRE(cudamem_allocate(id, 128 * MiB, 0, nullptr, &big) == CUDAMEM_OK);
-    CHECK(stats_of(id).held_ahead_bytes == held_ahead);
+    const cudamem_stats s = stats_of(id);
+    CHECK(s.held_ahead_bytes == v.held_ahead);
+    CHECK(s.compactions == v.compactions);
+    CHECK(s.kept_free_compactions == v.compactions);
+    // Simulated memory is not stream-ordered: the pool never waits for a stream.
+    CHECK(s.stream_waits == 0);
+    CHECK(s.host_waits == 0);
+    CHECK(s.device_syncs == 0);
     REQUIRE(cudamem_deallocate(id, big, 128 * MiB, 0, nullptr) == CUDAMEM_OK);
     for (std::size_t i = 1; i < blocks.size(); i += 2) {
       REQUIRE(cudamem_deallocate(id, blocks[i], 64 * MiB, 0, nullptr) == CUDAMEM_OK);

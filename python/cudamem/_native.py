@@ -49,6 +49,17 @@ class Stats(ctypes.Structure):
         ("allocated_bytes", ctypes.c_uint64),
         ("pending_frees", ctypes.c_uint64),
         ("limit_bytes", ctypes.c_uint64),
+        ("peak_reserved_bytes", ctypes.c_uint64),
+        ("segments", ctypes.c_uint64),
+        ("device_allocations", ctypes.c_uint64),
+        ("device_frees", ctypes.c_uint64),
+        ("device_allocated_bytes", ctypes.c_uint64),
+        ("device_freed_bytes", ctypes.c_uint64),
+        ("compactions", ctypes.c_uint64),
+        ("kept_free_compactions", ctypes.c_uint64),
+        ("stream_waits", ctypes.c_uint64),
+        ("host_waits", ctypes.c_uint64),
+        ("device_syncs", ctypes.c_uint64),
     ]
 
 
@@ -241,6 +252,11 @@ def stats(allocator_id, device):
         "allocated_bytes": s.allocated_bytes,
         "pending_frees": s.pending_frees,
         "limit_bytes": s.limit_bytes or None,
+        "compactions": s.compactions,
+        "kept_free_compactions": s.kept_free_compactions,
+        "stream_waits": s.stream_waits,
+        "host_waits": s.host_waits,
+        "device_syncs": s.device_syncs,
     }
 
 

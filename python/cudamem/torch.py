@@ -194,8 +194,13 @@ def stats(device=None, pool=None):
     in_use_bytes, peak_in_use_bytes, reserved_bytes, largest_free_block (None: unknown),
     held_ahead_bytes, allocations, deallocations, allocated_bytes, pending_frees (frees of the
     C library waiting for record_stream's streams: under install()'s allocator such frees wait
-    before they reach it, and torch.cuda.memory_stats() counts them as active) and limit_bytes
-    (None: no budget). `pool`: a pool made by pool(), else the process-wide allocator."""
+    before they reach it, and torch.cuda.memory_stats() counts them as active), limit_bytes
+    (None: no budget), and where a loop's host time can go, counted since the stack was made:
+    compactions (vm_pool: free memory mapped again together to serve a request; each waits on
+    the host for the streams that freed it), kept_free_compactions (of those, the ones chosen
+    to keep keep_free_bytes free), stream_waits, host_waits and device_syncs (what the pool
+    did to keep stream order). `pool`: a pool made by pool(), else the process-wide
+    allocator."""
     return _native.stats(_allocator_id(pool), _device(device))
 
 

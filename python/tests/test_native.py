@@ -42,6 +42,27 @@ def test_allocate_free_and_stats(simulated):
     assert _native.allocate(simulated, 0, 0, None) == 0
 
 
+def test_stats_count_compactions():
+    """A 128 MiB block in 64 MiB holes, on a device at its 1 GiB reserve: one compaction,
+    chosen to keep the reserve; simulated memory is not stream-ordered, so no waits."""
+    allocator_id = _native.create("resource=vm_pool, simulate_bytes=2GiB, grow_ahead_bytes=0")
+    try:
+        blocks = [_native.allocate(allocator_id, 64 * MiB, 0, None) for _ in range(16)]
+        for p in blocks[::2]:
+            _native.deallocate(allocator_id, p, 64 * MiB, 0, None)
+        assert _native.stats(allocator_id, 0)["compactions"] == 0
+        big = _native.allocate(allocator_id, 128 * MiB, 0, None)
+        s = _native.stats(allocator_id, 0)
+        assert s["compactions"] == 1
+        assert s["kept_free_compactions"] == 1
+        assert (s["stream_waits"], s["host_waits"], s["device_syncs"]) == (0, 0, 0)
+        _native.deallocate(allocator_id, big, 128 * MiB, 0, None)
+        for p in blocks[1::2]:
+            _native.deallocate(allocator_id, p, 64 * MiB, 0, None)
+    finally:
+        _native.destroy(allocator_id)
+
+
 def test_out_of_memory_carries_the_report(simulated):
     with pytest.raises(cudamem.OutOfMemoryError) as caught:
         _native.allocate(simulated, 5 * GiB, 0, None)
