@@ -26,7 +26,8 @@
 //   free range already there, so they become one contiguous free range. Only as many as the
 //   request lacks are moved, from the smallest free runs first: a large free run serves later
 //   requests where it is, for nothing. The host waits first for every stream whose frees
-//   cover the handles moved: after that their memory is idle wherever it is mapped next.
+//   cover the handles moved, but the request's own: that one orders the request after its
+//   frees, and the range keeps its tag (make_room says when).
 //   Once the device has said "full", recycling comes first, and the device is probed (one
 //   create) only for what recycling cannot give.
 // - keep_free_bytes (0 by default): while growth would leave the device less free than that,
@@ -100,9 +101,15 @@ class vm_compactor {
   /// request, and then nothing is recycled), then recycles idle handles. False (with `cause`,
   /// nothing changed) when even that is not enough. Throws what the layer throws (nothing
   /// changed then either).
+  ///
+  /// `requester`: the stream the request is for (null: the synchronous form). Recycled
+  /// memory whose frees are pending on that stream alone needs no host wait: the request is
+  /// ordered after them on the stream, and the new mapping is an alias that work still
+  /// running through the old one never sees; the range at the frontier then keeps that
+  /// stream's tag, so a request on another stream waits for it (on the device).
   template <class MergeNeighbours>
   bool make_room(std::size_t needed, bool whole, std::string& cause,
-                 MergeNeighbours&& merge_neighbours) {
+                 MergeNeighbours&& merge_neighbours, cudaStream_t requester = nullptr) {
     ahead_held_back_ = false;  // the resource grows for a request: growth ahead may follow it
     const auto usable_at_frontier = [&] {
       const auto tail = free_.ending_at(space_.frontier());
@@ -171,10 +178,18 @@ class vm_compactor {
       return false;
     }
     // Recycle only what growth did not give.
+    cudaStream_t carried = nullptr;  // the stream whose pending frees the frontier range keeps
     if (missing > created) {
+      // The requester's frees may stay pending only if the new range can merge with what lies
+      // free at the frontier already (an idle range, or one freed on the requester too).
+      const auto tail = free_.ending_at(space_.frontier());
+      const bool may_carry = requester != nullptr &&
+                             (tail == free_.end() || tail->second.complete ||
+                              tail->second.stream == requester);
       std::vector<moved_handle> recycled;
       try {
-        recycled = take_recyclable(std::move(runs), missing - created);
+        recycled = take_recyclable(std::move(runs), missing - created,
+                                   may_carry ? requester : nullptr, &carried);
         ++counts_.compactions;
         if (!growth_first && !handles_.device_full) {
           ++counts_.kept_free_compactions;  // the device had room: keep_free chose this
@@ -197,7 +212,7 @@ class vm_compactor {
         all.push_back(h);
       }
     }
-    map_at_frontier(all, created);
+    map_at_frontier(all, created, carried);
     return true;
   }
 
@@ -337,7 +352,10 @@ class vm_compactor {
   /// Maps `all` (fresh handles, `created` bytes of them, and recycled ones) side by side at
   /// the frontier with one cuMemSetAccess, as one free range. On a failure the batch is
   /// undone (see undo_mapping) and the error rethrown. Nothing to map: nothing happens.
-  void map_at_frontier(const std::vector<moved_handle>& all, std::size_t created) {
+  /// `pending_on`: a stream whose frees the recycled handles carry (their range keeps its
+  /// tag); null: everything mapped is idle.
+  void map_at_frontier(const std::vector<moved_handle>& all, std::size_t created,
+                       cudaStream_t pending_on = nullptr) {
     if (all.empty()) {
       return;
     }
@@ -362,7 +380,7 @@ class vm_compactor {
     }
     handles_.mapped_bytes += created;
     space_.advance(mapped);
-    free_.insert(start, {mapped, nullptr, true});
+    free_.insert(start, {mapped, pending_on, pending_on == nullptr});
   }
 
   /// What growth may create without taking the device below keep_free_bytes: unbounded when
@@ -476,10 +494,13 @@ class vm_compactor {
 
   /// Takes handles of `runs` out of the index, at least `wanted` bytes of them (all by
   /// default), smallest runs first, cutting their bytes out of the free ranges (the remnants
-  /// keep their tags). The host waits first for every stream whose frees cover them: after
-  /// this, their memory is idle.
+  /// keep their tags). The host waits first for every stream whose frees cover them, but
+  /// `own` (when not null): after this their memory is idle, or has frees pending on `own`
+  /// alone, and then `*carried` is set to `own`.
   std::vector<moved_handle> take_recyclable(std::vector<recyclable_run> runs,
-                                            std::size_t wanted = ~std::size_t{0}) {
+                                            std::size_t wanted = ~std::size_t{0},
+                                            cudaStream_t own = nullptr,
+                                            cudaStream_t* carried = nullptr) {
     if (wanted < total_bytes(runs)) {
       std::stable_sort(runs.begin(), runs.end(),
                        [](const recyclable_run& a, const recyclable_run& b) {
@@ -505,6 +526,10 @@ class vm_compactor {
       handles_.erase(t.old_address);
     }
     for (cudaStream_t s : pending) {
+      if (own != nullptr && s == own) {
+        *carried = own;  // the request on `own` is ordered after these frees by the stream
+        continue;
+      }
       layer_.wait_for_free(s);  // recycled memory must be idle wherever it is mapped next
       free_.mark_complete(s);   // and so is everything else freed on s
     }
