@@ -316,6 +316,36 @@ TEST_CASE("vm_resource: recycling memory freed on the request's own stream needs
   CHECK(s.layer.violations == 0);
 }
 
+TEST_CASE("vm_resource: a compaction that fails after recycling the request's own frees waits "
+          "for them before it unmaps the new aliases, and puts the handles back idle") {
+  sim_vm s{256 * MiB, handles_of(32 * MiB)};
+  const cudaStream_t a = fake_stream(1);
+  const cudaStream_t b = fake_stream(2);
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) {
+    blocks.push_back(s.vm.allocate(32 * MiB, 256, a));
+  }
+  for (std::size_t i = 0; i < blocks.size(); i += 2) {
+    s.vm.deallocate(blocks[i], 32 * MiB, 256, a);
+  }
+  const auto before = s.layer.calls;
+  s.layer.fail_map_after(2);
+  CHECK_THROWS_AS(s.vm.allocate(128 * MiB, 256, a), std::runtime_error);
+  CHECK(s.layer.calls.wait_for_free == before.wait_for_free + 1);  // the rare path waits
+  CHECK(s.layer.unmaps_in_flight == 0);
+  // The holes are back where they were, idle now: a request on b takes one with no wait.
+  void* hole = s.vm.allocate(32 * MiB, 256, b);
+  CHECK(s.layer.calls.order_after_free == before.order_after_free);
+  CHECK_FALSE(s.layer.in_flight(addr(hole)));
+  s.vm.deallocate(hole, 32 * MiB, 256, b);
+  for (std::size_t i = 1; i < blocks.size(); i += 2) {
+    s.vm.deallocate(blocks[i], 32 * MiB, 256, a);
+  }
+  CHECK(s.vm.release() == 256 * MiB);
+  CHECK(s.layer.unmaps_in_flight == 0);
+  CHECK(s.layer.violations == 0);
+}
+
 TEST_CASE("vm_resource: a request on a stream recycles memory another stream freed with a host "
           "wait for that stream only") {
   // Holes freed on a and on b; a request on a needs them all: the host waits for b, not a.
