@@ -64,13 +64,13 @@
 // - Stream order. A free on stream s records an event on s (one event per stream, owned by
 //   the mapping layer, so streams may be destroyed after freeing). A range freed on s and
 //   taken by a request on t makes t wait for that event (cudaStreamWaitEvent, no host wait).
-//   Recycling a handle freed on a stream waits *on the host* for that stream's last free
-//   (cudaEventSynchronize): the cost of moving memory that work may still touch. So does
+//   Recycling a handle freed on another stream than the request's waits *on the host* for
+//   that stream's last free (cudaEventSynchronize); freed on the request's own, it waits for
+//   nothing (stream order; the new mapping is an alias) and keeps that stream's tag. So does
 //   merging neighbours freed on different streams when no single free range holds a request
-//   (the host waits for their streams, all but the request's own): cheaper than a compaction,
-//   which would wait for them too. After a host wait for a stream, everything freed on it is
-//   idle and merges with its neighbours. The synchronous forms wait on the host, and take an
-//   idle range before one with frees pending; a synchronous free promises the memory is idle.
+//   (the host waits for their streams, all but the request's own). After a host wait for a
+//   stream, everything freed on it is idle and merges with its neighbours. The synchronous
+//   forms wait on the host, and take an idle range first; a synchronous free promises idle.
 // - Physical memory is never unmapped while work may touch it: release(), the destructor and
 //   the address-space sweep wait on the host for every recorded free first.
 // - `release()` unmaps stale aliases and gives every wholly free handle back to the driver;
@@ -396,11 +396,11 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
         }
       }
       // The thread is idle now, and cannot begin a step while this lock is held.
-      // Growth first; then neighbours freed on other streams, merged by a host wait; then a
-      // compaction (detail/vm/compactor.hpp).
+      // Growth, neighbours merged by a host wait, a compaction (detail/vm/compactor.hpp).
       cause.clear();
       if (compactor_.make_room(r.needed, r.whole, cause,
-                               [&] { return blocks_.settle_run(r, stream, sync); })) {
+                               [&] { return blocks_.settle_run(r, stream, sync); },
+                               sync ? nullptr : stream)) {
         if (void* p = blocks_.take_fit(r, bytes, stream, sync)) {
           return grew_ahead(lock, p);
         }

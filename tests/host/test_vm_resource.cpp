@@ -270,6 +270,108 @@ TEST_CASE("vm_resource: stream order across reuse and recycling; no unmap while 
   CHECK(s.layer.violations == 0);
 }
 
+TEST_CASE("vm_resource: recycling memory freed on the request's own stream needs no host "
+          "wait; the range keeps that stream's tag") {
+  // One stream, as a training loop has it: fill the device on a, free every other block on a,
+  // then ask on a for more than any hole. The request is ordered after those frees on a, so
+  // the handles are mapped again with no host wait (the old mapping stays as an alias until
+  // release()); the new range stays pending on a.
+  sim_vm s{256 * MiB, handles_of(32 * MiB)};
+  const cudaStream_t a = fake_stream(1);
+  const cudaStream_t b = fake_stream(2);
+  std::vector<void*> blocks;
+  for (;;) {
+    try {
+      blocks.push_back(s.vm.allocate(32 * MiB, 256, a));
+    } catch (const out_of_memory&) {
+      break;
+    }
+  }
+  REQUIRE(blocks.size() == 8);
+  for (std::size_t i = 0; i < blocks.size(); i += 2) {
+    s.vm.deallocate(blocks[i], 32 * MiB, 256, a);
+  }
+  const auto before = s.layer.calls;
+  void* big = s.vm.allocate(128 * MiB, 256, a);
+  CHECK(s.vm.vm_stats().compactions == 1);
+  CHECK(s.layer.calls.wait_for_free == before.wait_for_free);  // no host wait
+  CHECK(s.layer.calls.order_after_free == before.order_after_free);  // nor a device one
+  CHECK(s.layer.in_flight(addr(big)));  // a's earlier work may still use these handles
+
+  // Freed on a and asked for on b: b is ordered after a's frees on the device, as for any
+  // range freed on another stream; the host never waited.
+  s.vm.deallocate(big, 128 * MiB, 256, a);
+  void* on_b = s.vm.allocate(128 * MiB, 256, b);
+  CHECK(on_b == big);
+  CHECK(s.layer.calls.order_after_free == before.order_after_free + 1);
+  CHECK(s.layer.calls.wait_for_free == before.wait_for_free);
+  s.vm.deallocate(on_b, 128 * MiB, 256, b);
+
+  // The synchronous form still waits on the host before recycling.
+  for (std::size_t i = 1; i < blocks.size(); i += 2) {
+    s.vm.deallocate(blocks[i], 32 * MiB, 256, a);
+  }
+  CHECK(s.vm.release() == 256 * MiB);
+  CHECK(s.layer.unmaps_in_flight == 0);  // no alias was unmapped while a could still use it
+  CHECK(s.layer.violations == 0);
+}
+
+TEST_CASE("vm_resource: a compaction that fails after recycling the request's own frees waits "
+          "for them before it unmaps the new aliases, and puts the handles back idle") {
+  sim_vm s{256 * MiB, handles_of(32 * MiB)};
+  const cudaStream_t a = fake_stream(1);
+  const cudaStream_t b = fake_stream(2);
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) {
+    blocks.push_back(s.vm.allocate(32 * MiB, 256, a));
+  }
+  for (std::size_t i = 0; i < blocks.size(); i += 2) {
+    s.vm.deallocate(blocks[i], 32 * MiB, 256, a);
+  }
+  const auto before = s.layer.calls;
+  s.layer.fail_map_after(2);
+  CHECK_THROWS_AS(s.vm.allocate(128 * MiB, 256, a), std::runtime_error);
+  CHECK(s.layer.calls.wait_for_free == before.wait_for_free + 1);  // the rare path waits
+  CHECK(s.layer.unmaps_in_flight == 0);
+  // The holes are back where they were, idle now: a request on b takes one with no wait.
+  void* hole = s.vm.allocate(32 * MiB, 256, b);
+  CHECK(s.layer.calls.order_after_free == before.order_after_free);
+  CHECK_FALSE(s.layer.in_flight(addr(hole)));
+  s.vm.deallocate(hole, 32 * MiB, 256, b);
+  for (std::size_t i = 1; i < blocks.size(); i += 2) {
+    s.vm.deallocate(blocks[i], 32 * MiB, 256, a);
+  }
+  CHECK(s.vm.release() == 256 * MiB);
+  CHECK(s.layer.unmaps_in_flight == 0);
+  CHECK(s.layer.violations == 0);
+}
+
+TEST_CASE("vm_resource: a request on a stream recycles memory another stream freed with a host "
+          "wait for that stream only") {
+  // Holes freed on a and on b; a request on a needs them all: the host waits for b, not a.
+  sim_vm s{256 * MiB, handles_of(32 * MiB)};
+  const cudaStream_t a = fake_stream(1);
+  const cudaStream_t b = fake_stream(2);
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) {
+    blocks.push_back(s.vm.allocate(32 * MiB, 256, a));
+  }
+  for (std::size_t i = 0; i < blocks.size(); i += 2) {
+    s.vm.deallocate(blocks[i], 32 * MiB, 256, i < 4 ? a : b);
+  }
+  const auto before = s.layer.calls;
+  void* big = s.vm.allocate(128 * MiB, 256, a);
+  CHECK(s.vm.vm_stats().compactions == 1);
+  CHECK(s.layer.calls.wait_for_free == before.wait_for_free + 1);  // for b
+  s.vm.deallocate(big, 128 * MiB, 256, a);
+  for (std::size_t i = 1; i < blocks.size(); i += 2) {
+    s.vm.deallocate(blocks[i], 32 * MiB, 256, a);
+  }
+  CHECK(s.vm.release() == 256 * MiB);
+  CHECK(s.layer.unmaps_in_flight == 0);
+  CHECK(s.layer.violations == 0);
+}
+
 TEST_CASE("vm_resource: once the host has waited for a stream, its free ranges merge") {
   // Ranges freed on two streams, both pending, stay apart. A synchronous request that takes
   // one waits for its stream on the host: everything freed on that stream is idle then, and

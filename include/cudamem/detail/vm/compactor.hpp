@@ -26,7 +26,8 @@
 //   free range already there, so they become one contiguous free range. Only as many as the
 //   request lacks are moved, from the smallest free runs first: a large free run serves later
 //   requests where it is, for nothing. The host waits first for every stream whose frees
-//   cover the handles moved: after that their memory is idle wherever it is mapped next.
+//   cover the handles moved, but the request's own: that one orders the request after its
+//   frees, and the range keeps its tag (make_room says when).
 //   Once the device has said "full", recycling comes first, and the device is probed (one
 //   create) only for what recycling cannot give.
 // - keep_free_bytes (0 by default): while growth would leave the device less free than that,
@@ -38,24 +39,17 @@
 //   to where they were.
 // - Address space: when the active reservation lacks room, another is reserved; only past
 //   `reservations_before_sweep` of them are the stale aliases unmapped (after a host wait).
+// - Growth ahead (vm_resource_options::grow_ahead_bytes): the same fresh handles, made by the
+//   growth thread before a request needs them (plan_ahead, make_ahead, publish_ahead), above
+//   a floor of free memory (grow_ahead_floor_bytes). Whole handles free at the frontier are
+//   held ahead of need: release_tail gives them back when another resource of the process
+//   needs the device (detail/held_ahead.hpp) or on trim(); growth ahead then waits until the
+//   resource grows for a request of its own.
 //
-// - Growth ahead (optional: vm_resource_options::grow_ahead_bytes): the same fresh handles at
-//   the frontier, made by vm_resource's growth thread before a request needs them
-//   (plan_ahead, make_ahead, publish_ahead below), never taking the device below a floor of
-//   free memory (grow_ahead_floor_bytes). What lies free at the frontier in whole handles is
-//   memory held ahead of need (a batch made ahead, or the rest of a growth): release_tail
-//   gives it back when another resource of the process needs the device
-//   (detail/held_ahead.hpp) or on trim(), and growth ahead then waits until the resource
-//   grows for a request of its own.
-//
-// Not thread-safe: vm_resource's mutex guards it and every part it works on. The one
-// exception is make_ahead, which calls only the layer (whose calls may run beside the other
-// threads' record_free and the like) and touches only its batch.
-//
-// The class declares its whole surface here; the growth-ahead members (plan_ahead, make_ahead,
-// publish_ahead, release_tail and the tests before them) are defined in
-// detail/vm/grow_ahead.hpp, which vm_resource.hpp includes. The sizes it works with, and the
-// call counts, are detail/vm/config.hpp.
+// Not thread-safe: vm_resource's mutex guards it and every part it works on, but make_ahead,
+// which calls only the layer (beside other threads' record_free and the like) and touches
+// only its batch. The growth-ahead members are defined in detail/vm/grow_ahead.hpp, which
+// vm_resource.hpp includes; the sizes and call counts are detail/vm/config.hpp's.
 #pragma once
 
 #include <cudamem/detail/vm/address_space.hpp>
@@ -100,9 +94,14 @@ class vm_compactor {
   /// request, and then nothing is recycled), then recycles idle handles. False (with `cause`,
   /// nothing changed) when even that is not enough. Throws what the layer throws (nothing
   /// changed then either).
+  ///
+  /// `requester`: the request's stream (null: the synchronous form). Recycled memory freed on
+  /// it needs no host wait: stream order puts the request after those frees, and the new
+  /// mapping is an alias that work running through the old one never sees; the range at the
+  /// frontier keeps that stream's tag (a request on another stream waits on the device).
   template <class MergeNeighbours>
   bool make_room(std::size_t needed, bool whole, std::string& cause,
-                 MergeNeighbours&& merge_neighbours) {
+                 MergeNeighbours&& merge_neighbours, cudaStream_t requester = nullptr) {
     ahead_held_back_ = false;  // the resource grows for a request: growth ahead may follow it
     const auto usable_at_frontier = [&] {
       const auto tail = free_.ending_at(space_.frontier());
@@ -171,10 +170,17 @@ class vm_compactor {
       return false;
     }
     // Recycle only what growth did not give.
+    cudaStream_t carried = nullptr;  // the stream whose pending frees the frontier range keeps
     if (missing > created) {
+      // The requester's frees may stay pending if the new range merges with the frontier's.
+      const auto tail = free_.ending_at(space_.frontier());
+      const bool may_carry = requester != nullptr &&
+                             (tail == free_.end() || tail->second.complete ||
+                              tail->second.stream == requester);
       std::vector<moved_handle> recycled;
       try {
-        recycled = take_recyclable(std::move(runs), missing - created);
+        recycled = take_recyclable(std::move(runs), missing - created,
+                                   may_carry ? requester : nullptr, &carried);
         ++counts_.compactions;
         if (!growth_first && !handles_.device_full) {
           ++counts_.kept_free_compactions;  // the device had room: keep_free chose this
@@ -188,7 +194,7 @@ class vm_compactor {
         }
         all.reserve(all.size() + recycled.size());
       } catch (...) {
-        undo_mapping(recycled, 0);  // puts recycled handles back where they were
+        undo_mapping(recycled, 0, carried);  // puts recycled handles back where they were
         release_fresh(all);
         throw;
       }
@@ -197,7 +203,7 @@ class vm_compactor {
         all.push_back(h);
       }
     }
-    map_at_frontier(all, created);
+    map_at_frontier(all, created, carried);
     return true;
   }
 
@@ -337,7 +343,10 @@ class vm_compactor {
   /// Maps `all` (fresh handles, `created` bytes of them, and recycled ones) side by side at
   /// the frontier with one cuMemSetAccess, as one free range. On a failure the batch is
   /// undone (see undo_mapping) and the error rethrown. Nothing to map: nothing happens.
-  void map_at_frontier(const std::vector<moved_handle>& all, std::size_t created) {
+  /// `pending_on`: a stream whose frees the recycled handles carry (their range keeps its
+  /// tag); null: everything mapped is idle.
+  void map_at_frontier(const std::vector<moved_handle>& all, std::size_t created,
+                       cudaStream_t pending_on = nullptr) {
     if (all.empty()) {
       return;
     }
@@ -352,7 +361,7 @@ class vm_compactor {
       layer_.set_access(start, mapped);
       ++counts_.access_calls;
     } catch (...) {
-      undo_mapping(all, mapped);
+      undo_mapping(all, mapped, pending_on);
       throw;
     }
     std::size_t offset = 0;
@@ -362,7 +371,7 @@ class vm_compactor {
     }
     handles_.mapped_bytes += created;
     space_.advance(mapped);
-    free_.insert(start, {mapped, nullptr, true});
+    free_.insert(start, {mapped, pending_on, pending_on == nullptr});
   }
 
   /// What growth may create without taking the device below keep_free_bytes: unbounded when
@@ -474,12 +483,14 @@ class vm_compactor {
     return runs;
   }
 
-  /// Takes handles of `runs` out of the index, at least `wanted` bytes of them (all by
-  /// default), smallest runs first, cutting their bytes out of the free ranges (the remnants
-  /// keep their tags). The host waits first for every stream whose frees cover them: after
-  /// this, their memory is idle.
+  /// Takes handles of `runs` out of the index, at least `wanted` bytes (all by default),
+  /// smallest runs first, cutting them out of the free ranges (remnants keep their tags). The
+  /// host waits for every stream whose frees cover them but `own` (if not null; then their
+  /// frees on `own` stay pending, and `*carried` says so): after this, the rest is idle.
   std::vector<moved_handle> take_recyclable(std::vector<recyclable_run> runs,
-                                            std::size_t wanted = ~std::size_t{0}) {
+                                            std::size_t wanted = ~std::size_t{0},
+                                            cudaStream_t own = nullptr,
+                                            cudaStream_t* carried = nullptr) {
     if (wanted < total_bytes(runs)) {
       std::stable_sort(runs.begin(), runs.end(),
                        [](const recyclable_run& a, const recyclable_run& b) {
@@ -505,6 +516,10 @@ class vm_compactor {
       handles_.erase(t.old_address);
     }
     for (cudaStream_t s : pending) {
+      if (own != nullptr && s == own) {
+        *carried = own;  // the request on `own` is ordered after these frees by the stream
+        continue;
+      }
       layer_.wait_for_free(s);  // recycled memory must be idle wherever it is mapped next
       free_.mark_complete(s);   // and so is everything else freed on s
     }
@@ -520,8 +535,19 @@ class vm_compactor {
   }
 
   /// A map or set_access failed: the new mappings go, fresh handles go back, recycled ones
-  /// return to their old addresses (still mapped there) as free, idle memory.
-  void undo_mapping(const std::vector<moved_handle>& all, std::size_t mapped) noexcept {
+  /// return to their old addresses (still mapped there) as free memory. Recycled frees still
+  /// pending on `pending_on` are waited for first: even an unused alias is unmapped only once
+  /// no work can touch its memory (a rare path). If that wait fails they stay pending.
+  void undo_mapping(const std::vector<moved_handle>& all, std::size_t mapped,
+                    cudaStream_t pending_on = nullptr) noexcept {
+    if (pending_on != nullptr) {
+      try {
+        layer_.wait_for_free(pending_on);
+        free_.mark_complete(pending_on);
+        pending_on = nullptr;
+      } catch (...) {
+      }
+    }
     std::size_t offset = 0;
     for (const moved_handle& h : all) {
       if (offset >= mapped) {
@@ -539,7 +565,7 @@ class vm_compactor {
       std::erase_if(handles_.stale, [&](const vm_alias& m) { return m.address == h.old_address; });
       try {
         handles_.add(h.old_address, mapped_handle{h.handle, h.bytes});
-        free_.insert(h.old_address, {h.bytes, nullptr, true});
+        free_.insert(h.old_address, {h.bytes, pending_on, pending_on == nullptr});
       } catch (...) {  // out of host memory while undoing: the handle stays mapped, unused
       }
     }
