@@ -160,6 +160,10 @@ constexpr std::size_t step_sort_keys = std::size_t{256} << 10;  // 1 MiB of uint
 constexpr std::size_t loop_sort_keys = std::size_t{64} << 10;   // the sort loop's 64 Ki keys
 /// --simulated: what thrust's sort of the step's 256 Ki keys takes as a temporary, about.
 constexpr std::size_t sort_temporary = MiB + 96 * KiB;
+/// --simulated: what a request of `bytes` holds in the pools (whole 256-byte blocks).
+constexpr std::size_t pool_block_bytes(std::size_t bytes) {
+  return (bytes + 255) & ~std::size_t{255};
+}
 constexpr std::size_t tensors_per_stream_step = small_tensors + medium_tensors + large_tensors;
 
 // --- the plan: every size, drawn before anything is timed ----------------------------------------
@@ -944,7 +948,7 @@ void simulate(const std::string& name, bool vm, bool before_39, bool when_comple
         tensors.clear();
         for (std::size_t b : bytes) {
           tensors.push_back(sp.mr->allocate(b, 256, s));
-          live += (b + 255) & ~std::size_t{255};
+          live += pool_block_bytes(b);
         }
         void* keys = sp.mr->allocate(step_sort_keys * sizeof(std::uint32_t), 256, s);
         live += step_sort_keys * sizeof(std::uint32_t) + sort_temporary;
@@ -990,14 +994,14 @@ void print_tier_floor(const plan& p, std::size_t small_limit) {
   std::size_t most_small = 0;
   std::size_t most_large = 0;
   std::size_t most_total = 0;
-  const auto rounded = [](std::size_t b) { return (b + 255) & ~std::size_t{255}; };
   for (const auto& step : p.steps) {
     for (const stream_step& ss : step) {
       // The keys and the sort's temporary are small-tier blocks (1 MiB, 1.1 MiB).
-      std::size_t small = rounded(step_sort_keys * sizeof(std::uint32_t)) + rounded(sort_temporary);
+      std::size_t small =
+          pool_block_bytes(step_sort_keys * sizeof(std::uint32_t)) + pool_block_bytes(sort_temporary);
       std::size_t large = 0;
       for (std::size_t b : ss.tensor_bytes) {
-        (b <= small_limit ? small : large) += rounded(b);
+        (b <= small_limit ? small : large) += pool_block_bytes(b);
       }
       most_small = std::max(most_small, small);
       most_large = std::max(most_large, large);
@@ -1038,15 +1042,16 @@ int run_simulated(const options& opt) {
   for (const std::size_t lag : {std::size_t{0}, std::size_t{1}, std::size_t{2}, std::size_t{4},
                                 std::size_t{8}}) {
     for (const bool vm : {false, true}) {
-      for (const char* variant : {"-pre39", "", "-complete", "-cache-kept"}) {
+      for (const std::string variant : {"-pre39", "", "-complete", "-cache-kept"}) {
         const std::string name = std::string(vm ? "vm_pool" : "pool") + variant;
-        if (!opt.wants(name) || (vm && std::string(variant) == "-cache-kept")) {
+        const bool cache_kept = variant == "-cache-kept";
+        if (!opt.wants(name) || (vm && cache_kept)) {  // vm_pool's cache always follows use
           continue;
         }
         cudamem::pool_options row_opt = pool_opt;
-        row_opt.cache_follows_use = std::string(variant) != "-cache-kept";
-        simulate(name, vm, std::string(variant) == "-pre39", std::string(variant) == "-complete",
-                 lag, p, opt.steps, row_opt);
+        row_opt.cache_follows_use = !cache_kept;
+        simulate(name, vm, variant == "-pre39", variant == "-complete", lag, p, opt.steps,
+                 row_opt);
       }
     }
   }
