@@ -61,16 +61,16 @@
 // - Blocks are granule multiples, whole handles from `handle_bytes` up (a request is rounded up;
 //   `vm_stats().partial_granule_bytes` is that waste), aligned to the granule, or to any larger
 //   power-of-two alignment asked for.
-// - Stream order. A free on stream s records an event on s (one event per stream, owned by
-//   the mapping layer, so streams may be destroyed after freeing). A range freed on s and
-//   taken by a request on t makes t wait for that event (cudaStreamWaitEvent, no host wait).
+// - Stream order. A free on stream s records an event on s (one per stream, the layer's, so s
+//   may be destroyed after; on the legacy stream only once needed: driver_mapping.hpp). A
+//   range freed on s and taken by a request on t makes t wait for that event (no host wait).
 //   Recycling a handle freed on another stream than the request's waits *on the host* for
 //   that stream's last free (cudaEventSynchronize); freed on the request's own, it waits for
 //   nothing (stream order; the new mapping is an alias) and keeps that stream's tag. So does
 //   merging neighbours freed on different streams when no single free range holds a request
 //   (the host waits for their streams, all but the request's own). After a host wait for a
-//   stream, everything freed on it is idle and merges with its neighbours. The synchronous
-//   forms wait on the host, and take an idle range first; a synchronous free promises idle.
+//   stream, everything freed on it is idle and merges with its neighbours. Synchronous forms
+//   wait on the host, and take an idle range first; a synchronous free promises idle.
 // - Physical memory is never unmapped while work may touch it: release(), the destructor and
 //   the address-space sweep wait on the host for every recorded free first.
 // - `release()` unmaps stale aliases and gives every wholly free handle back to the driver;

@@ -50,9 +50,7 @@ vm_pool_options limited(std::size_t chunk, std::size_t limit) {
 /// are freed at once; with the budget spent, 128 MiB on `writer` needs both holes remapped
 /// together. The kernels must still see their data, not the writer's 0xFF. Frees everything.
 template <class Resource>
-void recycle_while_a_kernel_reads(Resource& memory) {
-  stream reader;
-  stream writer;
+void recycle_while_a_kernel_reads(Resource& memory, stream_view reader, stream_view writer) {
   std::vector<void*> blocks;
   for (int i = 0; i < 4; ++i) {
     blocks.push_back(memory.allocate(64 * MiB, 256, reader));
@@ -88,7 +86,9 @@ void recycle_while_a_kernel_reads(Resource& memory) {
 
 TEST_CASE("vm_pool (GPU): recycled memory is not overwritten while a kernel still reads it") {
   vm_pool_resource pool{0, limited(32 * MiB, 256 * MiB)};
-  recycle_while_a_kernel_reads(pool);
+  stream reader;
+  stream writer;
+  recycle_while_a_kernel_reads(pool, reader, writer);
 }
 
 // The upstream alone, freeing on a stream: recycling a handle whose last use is a running kernel
@@ -99,8 +99,50 @@ TEST_CASE("vm_resource (GPU): a handle freed on a stream is recycled only after 
   options.growth_bytes = 0;
   options.physical_limit = 256 * MiB;
   vm_resource vm{0, options};
-  recycle_while_a_kernel_reads(vm);
+  stream reader;
+  stream writer;
+  recycle_while_a_kernel_reads(vm, reader, writer);
   CHECK(vm.release() == 256 * MiB);  // waits for every free, then unmaps
+}
+
+// Frees on the legacy default stream record their event only when it is needed
+// (driver_mapping.hpp): when a non-blocking stream (which the legacy stream does not order)
+// takes the range, and when the host waits before recycling. Either way the kernel still
+// reading on the legacy stream must see its data.
+TEST_CASE("vm_resource (GPU): frees on the legacy stream order later users, recorded lazily") {
+  vm_resource_options options;
+  options.handle_bytes = 32 * MiB;
+  options.growth_bytes = 0;
+  options.physical_limit = 256 * MiB;
+  const stream writer{stream_options{.non_blocking = true}};
+  SECTION("recycled (a host wait)") {
+    vm_resource vm{0, options};
+    recycle_while_a_kernel_reads(vm, stream_view{}, writer);
+    CHECK(vm.release() == 256 * MiB);
+  }
+  SECTION("taken as it is by another stream (a device wait)") {
+    vm_resource vm{0, options};
+    void* block = vm.allocate(64 * MiB, 256, stream_view{});
+    check(cudaMemsetAsync(block, 1, 64 * MiB, nullptr));
+    unsigned long long* count = nullptr;
+    check(cudaMalloc(&count, sizeof(unsigned long long)));
+    check(cudaMemset(count, 0, sizeof(unsigned long long)));
+    slow_count<<<256, 256, 0, nullptr>>>(static_cast<unsigned char*>(block), 64 * MiB, 1,
+                                         1'000'000'000, count);
+    check(cudaGetLastError());
+    vm.deallocate(block, 64 * MiB, 256, stream_view{});
+    void* again = vm.allocate(64 * MiB, 256, writer);
+    CHECK(again == block);  // the same range, no compaction: only the event orders the two
+    CHECK(vm.vm_stats().compactions == 0);
+    check(cudaMemsetAsync(again, 0xFF, 64 * MiB, writer.get()));
+    writer.synchronize();
+    check(cudaDeviceSynchronize());
+    unsigned long long host = 0;
+    check(cudaMemcpy(&host, count, sizeof host, cudaMemcpyDeviceToHost));
+    CHECK(host == 64 * MiB);
+    check(cudaFree(count));
+    vm.deallocate(again, 64 * MiB, 256, writer);
+  }
 }
 
 TEST_CASE("vm_pool (GPU): destruction gives every byte back to the device", "[free-memory]") {

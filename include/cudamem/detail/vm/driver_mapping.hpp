@@ -23,6 +23,17 @@
 // - Ordering uses one event per stream (cudaEventDisableTiming), re-recorded at every free on
 //   that stream, as other stream-ordered pools do: waiting for it waits for that free and for
 //   anything submitted to the stream before the latest free (never less than needed).
+// - Except on the legacy default stream (0, cudaStreamLegacy), where a free records nothing:
+//   the event is recorded when something needs it (another stream takes the range, or the host
+//   waits before recycling), and covers every free on it so far, and whatever the stream was
+//   given since (more than needed, never less). That stream lives as long as the device's
+//   context, so a record owed on it can always be made later, while a stream of the user's
+//   might be gone by then. It is the stream a PyTorch or CuPy program uses unless it asks for
+//   another, and there frees come hundreds of times per training step: an eager record cost
+//   ~1 µs of the host thread that launches the kernels, each time (issue 37; 0.3 ms a step).
+//   Records owed are made before a stream is captured into a graph
+//   (cudamem::prepare_for_graph_capture, which cudamem's PyTorch allocator calls): no event
+//   can be recorded on the legacy stream while another is captured.
 #pragma once
 
 #include <cudamem/detail/cuda/driver.hpp>
@@ -30,6 +41,7 @@
 #include <cudamem/detail/vm/mapping.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
+#include <cudamem/stream.hpp>
 
 #include <cuda.h>
 #include <cuda_runtime_api.h>
@@ -68,7 +80,7 @@ class vm_not_supported_error : public cuda_error {
 namespace detail {
 
 /// The real mapping layer; see the contracts above and in detail/vm/mapping.hpp.
-class driver_vm_mapping final : public vm_mapping_layer {
+class driver_vm_mapping final : public vm_mapping_layer, private stream_listener {
  public:
   explicit driver_vm_mapping(int device, std::vector<int> peers = {},
                              std::source_location where = std::source_location::current())
@@ -126,11 +138,13 @@ class driver_vm_mapping final : public vm_mapping_layer {
     for (const int peer : peers_) {
       access_.push_back(read_write_on(peer));
     }
+    stream_listener_registry::instance().add(this);  // last: nothing after it can throw
   }
 
   ~driver_vm_mapping() override {
-    for (const auto& [stream, ev] : events_) {
-      report_error(cudaEventDestroy(ev), "vm_resource: cudaEventDestroy");
+    stream_listener_registry::instance().remove(this);
+    for (const stream_event& e : events_) {
+      report_error(cudaEventDestroy(e.event), "vm_resource: cudaEventDestroy");
     }
   }
 
@@ -216,27 +230,43 @@ class driver_vm_mapping final : public vm_mapping_layer {
   }
 
   void record_free(cudaStream_t stream, std::uintptr_t /*va*/, std::size_t /*bytes*/) override {
-    const cudaEvent_t ev = event_for(stream);
-    if (is_default_stream(stream)) {
-      // The legacy and per-thread streams are the *current* device's: make ours current.
-      const device_guard on{device_};
-      check(cudaEventRecord(ev, stream), "vm_resource: cudaEventRecord");
-    } else {
-      check(cudaEventRecord(ev, stream), "vm_resource: cudaEventRecord");
+    const std::lock_guard lock(events_mutex_);
+    stream_event& e = event_for(stream);
+    if (records_lazily(stream)) {
+      e.owed = true;  // recorded when needed (see above)
+      return;
     }
+    record(e);
   }
 
   void order_after_free(cudaStream_t user, cudaStream_t freed_on) override {
+    const cudaEvent_t ev = settled_event(freed_on);
     const device_guard on{device_};
-    check(cudaStreamWaitEvent(user, event_for(freed_on), 0), "vm_resource: cudaStreamWaitEvent");
+    check(cudaStreamWaitEvent(user, ev, 0), "vm_resource: cudaStreamWaitEvent");
   }
 
   void wait_for_free(cudaStream_t freed_on) override {
-    check(cudaEventSynchronize(event_for(freed_on)), "vm_resource: cudaEventSynchronize");
+    check(cudaEventSynchronize(settled_event(freed_on)), "vm_resource: cudaEventSynchronize");
   }
 
   void wait_for_all_frees() noexcept override {
-    for (const auto& [stream, ev] : events_) {
+    std::vector<cudaEvent_t> all;
+    try {
+      const std::lock_guard lock(events_mutex_);
+      all.reserve(events_.size());
+      for (stream_event& e : events_) {
+        settle(e);
+        all.push_back(e.event);
+      }
+    } catch (const cuda_error& e) {
+      report_error(e.code(), e.what());
+      report_error(cudaDeviceSynchronize(), "vm_resource: cudaDeviceSynchronize");  // no event
+      return;
+    } catch (...) {
+      report_error(cudaDeviceSynchronize(), "vm_resource: cudaDeviceSynchronize");
+      return;
+    }
+    for (const cudaEvent_t ev : all) {  // without the lock: another thread may settle meanwhile
       report_error(cudaEventSynchronize(ev), "vm_resource: cudaEventSynchronize");
     }
   }
@@ -266,20 +296,74 @@ class driver_vm_mapping final : public vm_mapping_layer {
     return desc;
   }
 
+  /// A stream's event, and whether a record is owed on it (frees no record covers yet).
+  struct stream_event {
+    cudaStream_t stream;
+    cudaEvent_t event;
+    bool owed = false;
+  };
+
+  /// The legacy default stream: it outlives every use of the layer (see above).
+  static bool records_lazily(cudaStream_t s) noexcept {
+    return s == nullptr || s == cudaStreamLegacy;
+  }
+
   /// This stream's event, created on first use. A flat list: a pool sees a handful of streams.
-  cudaEvent_t event_for(cudaStream_t stream) {
-    for (const auto& [s, ev] : events_) {
-      if (s == stream) {
-        return ev;
+  /// Called with events_mutex_ held.
+  stream_event& event_for(cudaStream_t stream) {
+    for (stream_event& e : events_) {
+      if (e.stream == stream) {
+        return e;
       }
     }
     const device_guard on{device_};
     events_.reserve(events_.size() + 1);  // so the push below cannot throw and leak the event
     cudaEvent_t ev = nullptr;
     check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "vm_resource: cudaEventCreate");
-    events_.emplace_back(stream, ev);
-    return ev;
+    events_.push_back({stream, ev, false});
+    return events_.back();
   }
+
+  /// Records the stream's event now. Called with events_mutex_ held.
+  void record(stream_event& e) {
+    if (is_default_stream(e.stream)) {
+      // The legacy and per-thread streams are the *current* device's: make ours current.
+      const device_guard on{device_};
+      check(cudaEventRecord(e.event, e.stream), "vm_resource: cudaEventRecord");
+    } else {
+      check(cudaEventRecord(e.event, e.stream), "vm_resource: cudaEventRecord");
+    }
+  }
+
+  /// Makes the record owed on `e`, if one is. Called with events_mutex_ held.
+  void settle(stream_event& e) {
+    if (e.owed) {
+      record(e);
+      e.owed = false;
+    }
+  }
+
+  /// The event that covers every free on `stream` so far.
+  cudaEvent_t settled_event(cudaStream_t stream) {
+    const std::lock_guard lock(events_mutex_);
+    stream_event& e = event_for(stream);
+    settle(e);
+    return e.event;
+  }
+
+  /// A stream is about to be captured (prepare_for_graph_capture): every record owed now.
+  void before_graph_capture() noexcept override {
+    const std::lock_guard lock(events_mutex_);
+    for (stream_event& e : events_) {
+      try {
+        settle(e);
+      } catch (const cuda_error& error) {
+        report_error(error.code(), error.what());
+      }
+    }
+  }
+  /// Only default streams are recorded lazily, and they are never destroyed.
+  void on_stream_destroy(cudaStream_t /*handle*/) noexcept override {}
 
   int device_;
   std::vector<int> peers_;
@@ -289,7 +373,8 @@ class driver_vm_mapping final : public vm_mapping_layer {
   std::size_t device_total_ = 0;
   std::mutex access_mutex_;               ///< guards peers_ and access_ once constructed
   std::vector<CUmemAccessDesc> access_;
-  std::vector<std::pair<cudaStream_t, cudaEvent_t>> events_;
+  std::mutex events_mutex_;  ///< guards events_: before_graph_capture comes from any thread
+  std::vector<stream_event> events_;
 };
 
 }  // namespace detail

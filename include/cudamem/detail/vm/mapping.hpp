@@ -33,7 +33,8 @@
 //   (or the layer's own device) is not added twice. The simulated layer has no other devices:
 //   it records the peers, and checks that each range given to one is wholly mapped.
 // - Ordering: `record_free(s, va, bytes)` notes that the last use of [va, va + bytes) was
-//   submitted to `s` (the driver records an event on `s`; the simulated layer marks the
+//   submitted to `s` (the driver records an event on `s`, or on the legacy stream owes one
+//   until an order or a wait needs it; the simulated layer marks the
 //   handles behind the range "in flight" until the host has waited for `s`, and counts an
 //   unmap of an in-flight handle as a violation: the bug this layer exists to catch);
 //   `order_after_free(user, freed_on)` makes later work on `user` wait for the last free
