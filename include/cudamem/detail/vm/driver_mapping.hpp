@@ -303,9 +303,15 @@ class driver_vm_mapping final : public vm_mapping_layer, private stream_listener
     bool owed = false;
   };
 
-  /// The legacy default stream: it outlives every use of the layer (see above).
+  /// The legacy default stream: it outlives every use of the layer (see above). Built with
+  /// `nvcc --default-stream per-thread`, handle 0 names the calling thread's own stream, which
+  /// a record made later on another thread would miss: only cudaStreamLegacy is lazy then.
   static bool records_lazily(cudaStream_t s) noexcept {
+#if defined(CUDA_API_PER_THREAD_DEFAULT_STREAM)
+    return s == cudaStreamLegacy;
+#else
     return s == nullptr || s == cudaStreamLegacy;
+#endif
   }
 
   /// This stream's event, created on first use. A flat list: a pool sees a handful of streams.
