@@ -80,6 +80,35 @@ void free_each(vm_resource& vm, const std::vector<void*>& blocks, std::size_t by
   }
 }
 
+/// Eight 32 MiB blocks allocated on stream `s`: a 256 MiB sim_vm, full.
+std::vector<void*> eight_on(vm_resource& vm, cudaStream_t s) {
+  std::vector<void*> blocks;
+  for (int i = 0; i < 8; ++i) {
+    blocks.push_back(vm.allocate(32 * MiB, 256, s));
+  }
+  return blocks;
+}
+
+/// The same with every other one freed on `s` again: four lone 32 MiB holes, pending on `s`.
+std::vector<void*> holes_on(vm_resource& vm, cudaStream_t s) {
+  std::vector<void*> blocks = eight_on(vm, s);
+  for (std::size_t i = 0; i < blocks.size(); i += 2) {
+    vm.deallocate(blocks[i], 32 * MiB, 256, s);
+  }
+  return blocks;
+}
+
+/// The end of a stream-order test on a 256 MiB sim_vm: the odd blocks freed on `s`, then
+/// release() gives every byte back, and no alias was unmapped while work could still use it.
+void free_odd_and_release(sim_vm& v, const std::vector<void*>& blocks, cudaStream_t s) {
+  for (std::size_t i = 1; i < blocks.size(); i += 2) {
+    v.vm.deallocate(blocks[i], 32 * MiB, 256, s);
+  }
+  CHECK(v.vm.release() == 256 * MiB);
+  CHECK(v.layer.unmaps_in_flight == 0);
+  CHECK(v.layer.violations == 0);
+}
+
 }  // namespace
 
 TEST_CASE("vm_resource: first allocation reserves once, grows in a batch, sets access once") {
@@ -279,15 +308,7 @@ TEST_CASE("vm_resource: recycling memory freed on the request's own stream needs
   sim_vm s{256 * MiB, handles_of(32 * MiB)};
   const cudaStream_t a = fake_stream(1);
   const cudaStream_t b = fake_stream(2);
-  std::vector<void*> blocks;
-  for (;;) {
-    try {
-      blocks.push_back(s.vm.allocate(32 * MiB, 256, a));
-    } catch (const out_of_memory&) {
-      break;
-    }
-  }
-  REQUIRE(blocks.size() == 8);
+  std::vector<void*> blocks = eight_on(s.vm, a);  // the device is full
   for (std::size_t i = 0; i < blocks.size(); i += 2) {
     s.vm.deallocate(blocks[i], 32 * MiB, 256, a);
   }
@@ -307,13 +328,7 @@ TEST_CASE("vm_resource: recycling memory freed on the request's own stream needs
   CHECK(s.layer.calls.wait_for_free == before.wait_for_free);
   s.vm.deallocate(on_b, 128 * MiB, 256, b);
 
-  // The synchronous form still waits on the host before recycling.
-  for (std::size_t i = 1; i < blocks.size(); i += 2) {
-    s.vm.deallocate(blocks[i], 32 * MiB, 256, a);
-  }
-  CHECK(s.vm.release() == 256 * MiB);
-  CHECK(s.layer.unmaps_in_flight == 0);  // no alias was unmapped while a could still use it
-  CHECK(s.layer.violations == 0);
+  free_odd_and_release(s, blocks, a);  // no alias was unmapped while a could still use it
 }
 
 TEST_CASE("vm_resource: a compaction that fails after recycling the request's own frees waits "
@@ -321,13 +336,7 @@ TEST_CASE("vm_resource: a compaction that fails after recycling the request's ow
   sim_vm s{256 * MiB, handles_of(32 * MiB)};
   const cudaStream_t a = fake_stream(1);
   const cudaStream_t b = fake_stream(2);
-  std::vector<void*> blocks;
-  for (int i = 0; i < 8; ++i) {
-    blocks.push_back(s.vm.allocate(32 * MiB, 256, a));
-  }
-  for (std::size_t i = 0; i < blocks.size(); i += 2) {
-    s.vm.deallocate(blocks[i], 32 * MiB, 256, a);
-  }
+  std::vector<void*> blocks = holes_on(s.vm, a);
   const auto before = s.layer.calls;
   s.layer.fail_map_after(2);
   CHECK_THROWS_AS(s.vm.allocate(128 * MiB, 256, a), std::runtime_error);
@@ -338,12 +347,7 @@ TEST_CASE("vm_resource: a compaction that fails after recycling the request's ow
   CHECK(s.layer.calls.order_after_free == before.order_after_free);
   CHECK_FALSE(s.layer.in_flight(addr(hole)));
   s.vm.deallocate(hole, 32 * MiB, 256, b);
-  for (std::size_t i = 1; i < blocks.size(); i += 2) {
-    s.vm.deallocate(blocks[i], 32 * MiB, 256, a);
-  }
-  CHECK(s.vm.release() == 256 * MiB);
-  CHECK(s.layer.unmaps_in_flight == 0);
-  CHECK(s.layer.violations == 0);
+  free_odd_and_release(s, blocks, a);
 }
 
 TEST_CASE("vm_resource: a request on a stream recycles memory another stream freed with a host "
@@ -352,10 +356,7 @@ TEST_CASE("vm_resource: a request on a stream recycles memory another stream fre
   sim_vm s{256 * MiB, handles_of(32 * MiB)};
   const cudaStream_t a = fake_stream(1);
   const cudaStream_t b = fake_stream(2);
-  std::vector<void*> blocks;
-  for (int i = 0; i < 8; ++i) {
-    blocks.push_back(s.vm.allocate(32 * MiB, 256, a));
-  }
+  std::vector<void*> blocks = eight_on(s.vm, a);
   for (std::size_t i = 0; i < blocks.size(); i += 2) {
     s.vm.deallocate(blocks[i], 32 * MiB, 256, i < 4 ? a : b);
   }
@@ -364,12 +365,7 @@ TEST_CASE("vm_resource: a request on a stream recycles memory another stream fre
   CHECK(s.vm.vm_stats().compactions == 1);
   CHECK(s.layer.calls.wait_for_free == before.wait_for_free + 1);  // for b
   s.vm.deallocate(big, 128 * MiB, 256, a);
-  for (std::size_t i = 1; i < blocks.size(); i += 2) {
-    s.vm.deallocate(blocks[i], 32 * MiB, 256, a);
-  }
-  CHECK(s.vm.release() == 256 * MiB);
-  CHECK(s.layer.unmaps_in_flight == 0);
-  CHECK(s.layer.violations == 0);
+  free_odd_and_release(s, blocks, a);
 }
 
 TEST_CASE("vm_resource: once the host has waited for a stream, its free ranges merge") {
@@ -379,10 +375,7 @@ TEST_CASE("vm_resource: once the host has waited for a stream, its free ranges m
   sim_vm s{256 * MiB, handles_of(32 * MiB)};
   const cudaStream_t a = fake_stream(1);
   const cudaStream_t b = fake_stream(2);
-  std::vector<void*> blocks;
-  for (int i = 0; i < 8; ++i) {
-    blocks.push_back(s.vm.allocate(32 * MiB, 256, a));
-  }
+  std::vector<void*> blocks = eight_on(s.vm, a);
   s.vm.deallocate(blocks[0], 32 * MiB, 256, a);
   s.vm.deallocate(blocks[1], 32 * MiB, 256, a);
   s.vm.deallocate(blocks[2], 32 * MiB, 256, b);
@@ -414,10 +407,7 @@ TEST_CASE("vm_resource: neighbours freed on two streams serve a request that nee
   sim_vm s{256 * MiB, handles_of(32 * MiB)};
   const cudaStream_t a = fake_stream(1);
   const cudaStream_t b = fake_stream(2);
-  std::vector<void*> blocks;
-  for (int i = 0; i < 8; ++i) {
-    blocks.push_back(s.vm.allocate(32 * MiB, 256, a));
-  }
+  std::vector<void*> blocks = eight_on(s.vm, a);
   s.vm.deallocate(blocks[2], 32 * MiB, 256, a);
   s.vm.deallocate(blocks[3], 32 * MiB, 256, a);
   s.vm.deallocate(blocks[4], 32 * MiB, 256, b);
