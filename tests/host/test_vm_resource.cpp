@@ -308,7 +308,8 @@ TEST_CASE("vm_resource: recycling memory freed on the request's own stream needs
   sim_vm s{256 * MiB, handles_of(32 * MiB)};
   const cudaStream_t a = fake_stream(1);
   const cudaStream_t b = fake_stream(2);
-  std::vector<void*> blocks = eight_on(s.vm, a);  // the device is full
+  std::vector<void*> blocks = eight_on(s.vm, a);
+  CHECK_THROWS_AS(s.vm.allocate(32 * MiB, 256, a), out_of_memory);  // the device is full
   for (std::size_t i = 0; i < blocks.size(); i += 2) {
     s.vm.deallocate(blocks[i], 32 * MiB, 256, a);
   }
