@@ -171,7 +171,8 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
         layer_(std::move(layer)),
         options_(std::move(options)),
         config_(make_config(layer_.get(), options_)),
-        space_(config_.reservation),
+        handles_(config_.handle),
+        space_(config_.reservation, config_.reservation_alignment()),
         compactor_(*layer_, config_, free_, handles_, space_),
         blocks_(*layer_, config_, free_, handles_),
         grow_ahead_bytes_(options_.grow_ahead_bytes.value_or(

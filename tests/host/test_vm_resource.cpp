@@ -803,10 +803,13 @@ TEST_CASE("vm_resource: running out of address space sweeps stale aliases past t
 }
 
 TEST_CASE("vm_resource: randomised against a model") {
-  for (std::uint32_t seed : {1u, 2u, 3u, 4u}) {
+  for (std::uint32_t seed : {1u, 2u, 3u, 4u, 5u}) {
     CAPTURE(seed);
     const std::size_t capacity = 512 * MiB;
-    sim_vm s{capacity, handles_of(std::size_t{4} << (20 + seed % 3), 64 * MiB)};
+    // Seeds 1-4: handles of a power of two (placement is arithmetic); 5: 6 MiB handles, not
+    // aligned to their size (placement looks the handles up).
+    const std::size_t handle = seed == 5 ? 6 * MiB : std::size_t{4} << (20 + seed % 3);
+    sim_vm s{capacity, handles_of(handle, 64 * MiB)};
     std::mt19937_64 rng{seed};
     std::map<std::uintptr_t, std::size_t> live;  // the model: address -> bytes
     std::size_t live_bytes = 0;
@@ -873,6 +876,65 @@ TEST_CASE("vm_resource: randomised against a model") {
     CHECK(s.layer.violations == 0);
     CHECK(s.layer.unmaps_in_flight == 0);
   }
+}
+
+TEST_CASE("handle_set: placement by arithmetic agrees with looking the handles up") {
+  // While every handle has the resource's size and sits at a multiple of it, place_whole
+  // rounds instead of walking the map. Both answers, for random tilings and free ranges.
+  const std::size_t handle = 4 * MiB;
+  std::mt19937_64 rng(23);
+  for (int round = 0; round < 50; ++round) {
+    detail::handle_set arithmetic{handle};
+    detail::handle_set lookup;  // no handle size known: always looks up
+    std::vector<std::pair<std::uintptr_t, std::uintptr_t>> runs;  // mapped [begin, end)
+    std::uintptr_t at = (std::uintptr_t{1} << 40) + handle * (rng() % 8);
+    for (int r = 0; r < 6; ++r) {
+      const std::uintptr_t begin = at;
+      for (std::size_t h = 0, n = 1 + rng() % 5; h < n; ++h, at += handle) {
+        arithmetic.add(at, {detail::vm_handle{at}, handle});
+        lookup.add(at, {detail::vm_handle{at}, handle});
+      }
+      runs.emplace_back(begin, at);
+      at += handle * (1 + rng() % 3);  // a gap: unmapped
+    }
+    REQUIRE(arithmetic.all_aligned());
+    REQUIRE_FALSE(lookup.all_aligned());
+    for (int q = 0; q < 200; ++q) {
+      const auto [b0, b1] = runs[rng() % runs.size()];
+      const std::uintptr_t granule = 2 * MiB;
+      const std::uintptr_t begin = b0 + granule * (rng() % ((b1 - b0) / granule));
+      const std::uintptr_t end = begin + granule * (1 + rng() % ((b1 - begin) / granule));
+      const std::size_t size = granule * (2 + rng() % 10);
+      CAPTURE(round, q, begin - b0, end - begin, size);
+      const auto a = arithmetic.place_whole(begin, end, size);
+      const auto l = lookup.place_whole(begin, end, size);
+      REQUIRE(a.has_value() == l.has_value());
+      if (a) {
+        CHECK(a->start == l->start);
+        CHECK(a->end == l->end);
+        CHECK(a->start % handle == 0);
+      }
+    }
+  }
+  // One handle of another size, or off a multiple of its size, and placement looks up again
+  // until it is gone; handles adopted from a batch count too.
+  detail::handle_set set{handle};
+  const std::uintptr_t base = std::uintptr_t{1} << 40;
+  set.add(base, {detail::vm_handle{1}, handle});
+  CHECK(set.all_aligned());
+  set.add(base + handle + 2 * MiB, {detail::vm_handle{2}, handle});
+  CHECK_FALSE(set.all_aligned());
+  set.erase(base + handle + 2 * MiB);
+  CHECK(set.all_aligned());
+  detail::handle_set::map_type made;
+  made.emplace(base + 4 * handle, detail::mapped_handle{detail::vm_handle{3}, 2 * MiB});
+  set.adopt(made);
+  CHECK_FALSE(set.all_aligned());
+  set.erase(base + 4 * handle);
+  CHECK(set.all_aligned());
+  set.erase(base + 9 * handle);  // not mapped: nothing changes
+  CHECK(set.all_aligned());
+  CHECK(set.count() == 1);
 }
 
 TEST_CASE("free_range_index: adjacent pairs stay exact; best_run without them is best fit's") {
