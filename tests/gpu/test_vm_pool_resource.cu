@@ -105,6 +105,46 @@ TEST_CASE("vm_resource (GPU): a handle freed on a stream is recycled only after 
   CHECK(vm.release() == 256 * MiB);  // waits for every free, then unmaps
 }
 
+// The driver reserves address space aligned to a power-of-two handle, so every handle sits at
+// a multiple of its size and placement needs no lookup (detail/vm/handle_set.hpp); with a
+// handle size that is not a power of two it looks up. Either way a block of whole handles
+// starts on a handle of its own, and kernels can write all of it.
+TEST_CASE("vm_resource (GPU): blocks of whole handles start at a multiple of a power-of-two "
+          "handle") {
+  for (const std::size_t handle : {4 * MiB, 6 * MiB}) {
+    CAPTURE(handle);
+    vm_resource_options options;
+    options.handle_bytes = handle;
+    options.growth_bytes = 0;
+    vm_resource vm{0, options};
+    std::vector<std::pair<void*, std::size_t>> blocks;
+    for (const std::size_t bytes : {4 * MiB, 3 * MiB, 10 * MiB, 1 * MiB, 26 * MiB, 6 * MiB}) {
+      void* p = vm.allocate(bytes);
+      check(cudaMemset(p, 7, bytes));
+      if (bytes >= handle && handle == 4 * MiB) {
+        CHECK(reinterpret_cast<std::uintptr_t>(p) % handle == 0);
+      }
+      blocks.emplace_back(p, bytes);
+    }
+    check(cudaDeviceSynchronize());
+    for (std::size_t i = 0; i < blocks.size(); i += 2) {  // holes, then taken again
+      vm.deallocate(blocks[i].first, blocks[i].second);
+    }
+    for (std::size_t i = 0; i < blocks.size(); i += 2) {
+      blocks[i].first = vm.allocate(blocks[i].second);
+      check(cudaMemset(blocks[i].first, 9, blocks[i].second));
+      if (blocks[i].second >= handle && handle == 4 * MiB) {
+        CHECK(reinterpret_cast<std::uintptr_t>(blocks[i].first) % handle == 0);
+      }
+    }
+    check(cudaDeviceSynchronize());
+    for (const auto& [p, bytes] : blocks) {
+      vm.deallocate(p, bytes);
+    }
+    CHECK(vm.stats().used_bytes == 0);
+  }
+}
+
 // Frees on the legacy default stream record their event only when it is needed
 // (driver_mapping.hpp): when a non-blocking stream (which the legacy stream does not order)
 // takes the range, and when the host waits before recycling. Either way the kernel still
