@@ -304,51 +304,72 @@ TEST_CASE("vm_resource: recycling memory freed on the request's own stream needs
   // One stream, as a training loop has it: fill the device on a, free every other block on a,
   // then ask on a for more than any hole. The request is ordered after those frees on a, so
   // the handles are mapped again with no host wait (the old mapping stays as an alias until
-  // release()); the new range stays pending on a.
-  sim_vm s{256 * MiB, handles_of(32 * MiB)};
-  const cudaStream_t a = fake_stream(1);
-  const cudaStream_t b = fake_stream(2);
-  std::vector<void*> blocks = eight_on(s.vm, a);
-  CHECK_THROWS_AS(s.vm.allocate(32 * MiB, 256, a), out_of_memory);  // the device is full
-  for (std::size_t i = 0; i < blocks.size(); i += 2) {
-    s.vm.deallocate(blocks[i], 32 * MiB, 256, a);
+  // release()); the new range stays pending on a. The legacy default stream (0, where a
+  // PyTorch training loop runs) is such a stream too: a host wait there would drain the
+  // device's queue at every compaction.
+  for (const cudaStream_t a : {fake_stream(1), cudaStream_t{nullptr}}) {
+    CAPTURE(a == nullptr);
+    sim_vm s{256 * MiB, handles_of(32 * MiB)};
+    const cudaStream_t b = fake_stream(2);
+    std::vector<void*> blocks = eight_on(s.vm, a);
+    CHECK_THROWS_AS(s.vm.allocate(32 * MiB, 256, a), out_of_memory);  // the device is full
+    for (std::size_t i = 0; i < blocks.size(); i += 2) {
+      s.vm.deallocate(blocks[i], 32 * MiB, 256, a);
+    }
+    const auto before = s.layer.calls;
+    void* big = s.vm.allocate(128 * MiB, 256, a);
+    CHECK(s.vm.vm_stats().compactions == 1);
+    CHECK(s.layer.calls.wait_for_free == before.wait_for_free);  // no host wait
+    CHECK(s.layer.calls.order_after_free == before.order_after_free);  // nor a device one
+    CHECK(s.layer.in_flight(addr(big)));  // a's earlier work may still use these handles
+
+    // Freed on a and asked for on b: b is ordered after a's frees on the device, as for any
+    // range freed on another stream; the host never waited.
+    s.vm.deallocate(big, 128 * MiB, 256, a);
+    void* on_b = s.vm.allocate(128 * MiB, 256, b);
+    CHECK(on_b == big);
+    CHECK(s.layer.calls.order_after_free == before.order_after_free + 1);
+    CHECK(s.layer.calls.wait_for_free == before.wait_for_free);
+    s.vm.deallocate(on_b, 128 * MiB, 256, b);
+
+    free_odd_and_release(s, blocks, a);  // no alias was unmapped while a could still use it
   }
+}
+
+TEST_CASE("vm_resource: a synchronous request recycling the legacy stream's frees waits for "
+          "them") {
+  // The synchronous form names no stream, and must not pass for the legacy stream (handle 0
+  // too): it waits on the host for the frees it recycles.
+  sim_vm s{256 * MiB, handles_of(32 * MiB)};
+  std::vector<void*> blocks = holes_on(s.vm, nullptr);
   const auto before = s.layer.calls;
-  void* big = s.vm.allocate(128 * MiB, 256, a);
+  void* big = s.vm.allocate(128 * MiB);
   CHECK(s.vm.vm_stats().compactions == 1);
-  CHECK(s.layer.calls.wait_for_free == before.wait_for_free);  // no host wait
-  CHECK(s.layer.calls.order_after_free == before.order_after_free);  // nor a device one
-  CHECK(s.layer.in_flight(addr(big)));  // a's earlier work may still use these handles
-
-  // Freed on a and asked for on b: b is ordered after a's frees on the device, as for any
-  // range freed on another stream; the host never waited.
-  s.vm.deallocate(big, 128 * MiB, 256, a);
-  void* on_b = s.vm.allocate(128 * MiB, 256, b);
-  CHECK(on_b == big);
-  CHECK(s.layer.calls.order_after_free == before.order_after_free + 1);
-  CHECK(s.layer.calls.wait_for_free == before.wait_for_free);
-  s.vm.deallocate(on_b, 128 * MiB, 256, b);
-
-  free_odd_and_release(s, blocks, a);  // no alias was unmapped while a could still use it
+  CHECK(s.layer.calls.wait_for_free == before.wait_for_free + 1);
+  CHECK_FALSE(s.layer.in_flight(addr(big)));
+  s.vm.deallocate(big, 128 * MiB);
+  free_odd_and_release(s, blocks, nullptr);
 }
 
 TEST_CASE("vm_resource: a compaction that fails after recycling the request's own frees waits "
           "for them before it unmaps the new aliases, and puts the handles back idle") {
-  sim_vm s{256 * MiB, handles_of(32 * MiB)};
-  const cudaStream_t a = fake_stream(1);
-  const cudaStream_t b = fake_stream(2);
-  std::vector<void*> blocks = holes_on(s.vm, a);
-  const auto before = s.layer.calls;
-  s.layer.fail_map_after(2);
-  CHECK_THROWS_AS(s.vm.allocate(128 * MiB, 256, a), std::runtime_error);
-  CHECK(s.layer.calls.wait_for_free == before.wait_for_free + 1);  // the rare path waits
-  CHECK(s.layer.unmaps_in_flight == 0);
-  // The holes are back where they were, idle now: a request on b takes one with no wait.
-  void* hole = s.vm.allocate(32 * MiB, 256, b);
-  CHECK(s.layer.calls.order_after_free == before.order_after_free);
-  CHECK_FALSE(s.layer.in_flight(addr(hole)));
-  s.vm.deallocate(hole, 32 * MiB, 256, b);
-  free_odd_and_release(s, blocks, a);
+  for (const cudaStream_t a : {fake_stream(1), cudaStream_t{nullptr}}) {
+    CAPTURE(a == nullptr);
+    sim_vm s{256 * MiB, handles_of(32 * MiB)};
+    const cudaStream_t b = fake_stream(2);
+    std::vector<void*> blocks = holes_on(s.vm, a);
+    const auto before = s.layer.calls;
+    s.layer.fail_map_after(2);
+    CHECK_THROWS_AS(s.vm.allocate(128 * MiB, 256, a), std::runtime_error);
+    CHECK(s.layer.calls.wait_for_free == before.wait_for_free + 1);  // the rare path waits
+    CHECK(s.layer.unmaps_in_flight == 0);
+    // The holes are back where they were, idle now: a request on b takes one with no wait.
+    void* hole = s.vm.allocate(32 * MiB, 256, b);
+    CHECK(s.layer.calls.order_after_free == before.order_after_free);
+    CHECK_FALSE(s.layer.in_flight(addr(hole)));
+    s.vm.deallocate(hole, 32 * MiB, 256, b);
+    free_odd_and_release(s, blocks, a);
+  }
 }
 
 TEST_CASE("vm_resource: a request on a stream recycles memory another stream freed with a host "
