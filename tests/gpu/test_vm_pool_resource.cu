@@ -49,8 +49,11 @@ vm_pool_options limited(std::size_t chunk, std::size_t limit) {
 /// Four 64 MiB blocks on `reader`; two kernels wait ~0.5 s, then read blocks 0 and 2, which
 /// are freed at once; with the budget spent, 128 MiB on `writer` needs both holes remapped
 /// together. The kernels must still see their data, not the writer's 0xFF. Frees everything.
+/// `no_host_wait`: the allocation returns while the kernels still run (writer == reader:
+/// stream order alone puts the writer after them).
 template <class Resource>
-void recycle_while_a_kernel_reads(Resource& memory, stream_view reader, stream_view writer) {
+void recycle_while_a_kernel_reads(Resource& memory, stream_view reader, stream_view writer,
+                                  bool no_host_wait = false) {
   std::vector<void*> blocks;
   for (int i = 0; i < 4; ++i) {
     blocks.push_back(memory.allocate(64 * MiB, 256, reader));
@@ -69,6 +72,10 @@ void recycle_while_a_kernel_reads(Resource& memory, stream_view reader, stream_v
   memory.deallocate(blocks[2], 64 * MiB, 256, reader);
   void* big = memory.allocate(128 * MiB, 256, writer);  // both holes, remapped together
   CHECK(memory.vm_stats().compactions == 1);
+  if (no_host_wait) {
+    CHECK(cudaStreamQuery(reader.get()) == cudaErrorNotReady);  // the kernels still run
+    static_cast<void>(cudaGetLastError());
+  }
   check(cudaMemsetAsync(big, 0xFF, 128 * MiB, writer.get()));
   writer.synchronize();
   reader.synchronize();
@@ -158,6 +165,11 @@ TEST_CASE("vm_resource (GPU): frees on the legacy stream order later users, reco
   SECTION("recycled (a host wait)") {
     vm_resource vm{0, options};
     recycle_while_a_kernel_reads(vm, stream_view{}, writer);
+    CHECK(vm.release() == 256 * MiB);
+  }
+  SECTION("recycled for the legacy stream itself (stream order, no host wait)") {
+    vm_resource vm{0, options};
+    recycle_while_a_kernel_reads(vm, stream_view{}, stream_view{}, /*no_host_wait=*/true);
     CHECK(vm.release() == 256 * MiB);
   }
   SECTION("taken as it is by another stream (a device wait)") {
