@@ -436,9 +436,9 @@ class timed_mapping final : public cudamem::detail::vm_mapping_layer {
     return inner_.device_free();
   }
   cudamem::detail::memory_domain domain() const noexcept override { return inner_.domain(); }
-  std::uintptr_t reserve(std::size_t bytes) override {
+  std::uintptr_t reserve(std::size_t bytes, std::size_t alignment) override {
     const stopwatch w{*this, reserve_call};
-    return inner_.reserve(bytes);
+    return inner_.reserve(bytes, alignment);
   }
   void free_reservation(std::uintptr_t base, std::size_t bytes) noexcept override {
     inner_.free_reservation(base, bytes);
@@ -575,7 +575,7 @@ void print_vm_stats(const cudamem::vm_pool_resource& vm, const char* indent) {
 /// gives everything back; returns the median cost of each call.
 handle_costs measure_handle_costs(int device, std::size_t handle, std::size_t count = 16) {
   cudamem::detail::driver_vm_mapping layer{device};
-  const std::uintptr_t va = layer.reserve(count * handle);
+  const std::uintptr_t va = layer.reserve(count * handle, layer.granularity());
   std::vector<cudamem::detail::vm_handle> handles;
   std::vector<double> create_us;
   std::vector<double> map_us;

@@ -122,7 +122,7 @@ void parallel_driver_calls(cudamem::detail::driver_vm_mapping& layer) {
       }
       return;
     }
-    const std::uintptr_t va = layer.reserve(n * handle);
+    const std::uintptr_t va = layer.reserve(n * handle, layer.granularity());
     for (std::size_t i = 0; i < n; ++i) {
       layer.map(va + i * handle, handle, *handles[i]);
     }
@@ -166,7 +166,7 @@ void calls_beside_a_create(cudamem::detail::driver_vm_mapping& layer) {
   constexpr std::size_t n = 96;
   cudaStream_t s = nullptr;
   cudaEvent_t ev = nullptr;
-  const std::uintptr_t va = layer.reserve(handle);
+  const std::uintptr_t va = layer.reserve(handle, layer.granularity());
   const auto mapped = layer.create(handle);
   if (!mapped || cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess ||
       cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) != cudaSuccess) {
@@ -277,7 +277,7 @@ std::optional<fill_costs> fill_device(cudamem::detail::driver_vm_mapping& layer,
   c.create_us = std::accumulate(each.begin(), each.end(), 0.0) / static_cast<double>(n);
   std::nth_element(each.begin(), each.begin() + static_cast<std::ptrdiff_t>(n / 2), each.end());
   c.create_median_us = each[n / 2];
-  const std::uintptr_t va = layer.reserve(n * handle);
+  const std::uintptr_t va = layer.reserve(n * handle, layer.granularity());
   constexpr std::size_t batch = 9;
   auto start = clock_type::now();
   double access = 0;
@@ -368,7 +368,9 @@ int main() {
       handles.push_back(*h);
     }
     const double create_us = us_since(start) / static_cast<double>(n);
-    std::uintptr_t va[3] = {layer.reserve(total), layer.reserve(total), layer.reserve(total)};
+    const std::size_t g = layer.granularity();
+    std::uintptr_t va[3] = {layer.reserve(total, g), layer.reserve(total, g),
+                            layer.reserve(total, g)};
     double map_us = 0;
     double access_us[3] = {0, 0, 0};
     for (int alias = 0; alias < 3; ++alias) {
@@ -423,7 +425,7 @@ int main() {
     }
     constexpr std::size_t piece = 64 * MiB;
     const std::size_t n = big / piece;
-    const std::uintptr_t va = layer.reserve(big);
+    const std::uintptr_t va = layer.reserve(big, layer.granularity());
     const auto start = clock_type::now();
     for (std::size_t i = 0; i < n; ++i) {
       const std::size_t source = (i * 7 + 3) % n;  // 7 is prime to n: a permutation

@@ -28,8 +28,7 @@
 // - detail/vm/free_ranges.hpp    freed ranges stay mapped and free, merge with neighbours, and
 //                                serve the next request that fits at no driver cost
 // - detail/vm/placement.hpp      which free range a block goes to (best fit), and where in it
-// - detail/vm/live_blocks.hpp    the blocks handed out; taking a fit and freeing a block, in
-//                                stream order
+// - detail/vm/live_blocks.hpp    the blocks handed out; taking a fit, freeing, stream order
 // - detail/vm/compactor.hpp      when nothing fits: create handles while the device has room;
 //                                then recycle idle handles to the frontier (only what the
 //                                request lacks, smallest free runs first); giving memory back
@@ -171,7 +170,8 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
         layer_(std::move(layer)),
         options_(std::move(options)),
         config_(make_config(layer_.get(), options_)),
-        space_(config_.reservation),
+        handles_(config_.handle),
+        space_(config_.reservation, config_.reservation_alignment()),
         compactor_(*layer_, config_, free_, handles_, space_),
         blocks_(*layer_, config_, free_, handles_),
         grow_ahead_bytes_(options_.grow_ahead_bytes.value_or(
@@ -400,7 +400,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
       cause.clear();
       if (compactor_.make_room(r.needed, r.whole, cause,
                                [&] { return blocks_.settle_run(r, stream, sync); },
-                               sync ? nullptr : stream)) {
+                               detail::ordered_on(stream, sync))) {
         if (void* p = blocks_.take_fit(r, bytes, stream, sync)) {
           return grew_ahead(lock, p);
         }

@@ -49,8 +49,11 @@ vm_pool_options limited(std::size_t chunk, std::size_t limit) {
 /// Four 64 MiB blocks on `reader`; two kernels wait ~0.5 s, then read blocks 0 and 2, which
 /// are freed at once; with the budget spent, 128 MiB on `writer` needs both holes remapped
 /// together. The kernels must still see their data, not the writer's 0xFF. Frees everything.
+/// `no_host_wait`: the allocation returns while the kernels still run (writer == reader:
+/// stream order alone puts the writer after them).
 template <class Resource>
-void recycle_while_a_kernel_reads(Resource& memory, stream_view reader, stream_view writer) {
+void recycle_while_a_kernel_reads(Resource& memory, stream_view reader, stream_view writer,
+                                  bool no_host_wait = false) {
   std::vector<void*> blocks;
   for (int i = 0; i < 4; ++i) {
     blocks.push_back(memory.allocate(64 * MiB, 256, reader));
@@ -69,6 +72,10 @@ void recycle_while_a_kernel_reads(Resource& memory, stream_view reader, stream_v
   memory.deallocate(blocks[2], 64 * MiB, 256, reader);
   void* big = memory.allocate(128 * MiB, 256, writer);  // both holes, remapped together
   CHECK(memory.vm_stats().compactions == 1);
+  if (no_host_wait) {
+    CHECK(cudaStreamQuery(reader.get()) == cudaErrorNotReady);  // the kernels still run
+    static_cast<void>(cudaGetLastError());
+  }
   check(cudaMemsetAsync(big, 0xFF, 128 * MiB, writer.get()));
   writer.synchronize();
   reader.synchronize();
@@ -105,6 +112,46 @@ TEST_CASE("vm_resource (GPU): a handle freed on a stream is recycled only after 
   CHECK(vm.release() == 256 * MiB);  // waits for every free, then unmaps
 }
 
+// The driver reserves address space aligned to a power-of-two handle, so every handle sits at
+// a multiple of its size and placement needs no lookup (detail/vm/handle_set.hpp); with a
+// handle size that is not a power of two it looks up. Either way a block of whole handles
+// starts on a handle of its own, and kernels can write all of it.
+TEST_CASE("vm_resource (GPU): blocks of whole handles start at a multiple of a power-of-two "
+          "handle") {
+  for (const std::size_t handle : {4 * MiB, 6 * MiB}) {
+    CAPTURE(handle);
+    vm_resource_options options;
+    options.handle_bytes = handle;
+    options.growth_bytes = 0;
+    vm_resource vm{0, options};
+    std::vector<std::pair<void*, std::size_t>> blocks;
+    for (const std::size_t bytes : {4 * MiB, 3 * MiB, 10 * MiB, 1 * MiB, 26 * MiB, 6 * MiB}) {
+      void* p = vm.allocate(bytes);
+      check(cudaMemset(p, 7, bytes));
+      if (bytes >= handle && handle == 4 * MiB) {
+        CHECK(reinterpret_cast<std::uintptr_t>(p) % handle == 0);
+      }
+      blocks.emplace_back(p, bytes);
+    }
+    check(cudaDeviceSynchronize());
+    for (std::size_t i = 0; i < blocks.size(); i += 2) {  // holes, then taken again
+      vm.deallocate(blocks[i].first, blocks[i].second);
+    }
+    for (std::size_t i = 0; i < blocks.size(); i += 2) {
+      blocks[i].first = vm.allocate(blocks[i].second);
+      check(cudaMemset(blocks[i].first, 9, blocks[i].second));
+      if (blocks[i].second >= handle && handle == 4 * MiB) {
+        CHECK(reinterpret_cast<std::uintptr_t>(blocks[i].first) % handle == 0);
+      }
+    }
+    check(cudaDeviceSynchronize());
+    for (const auto& [p, bytes] : blocks) {
+      vm.deallocate(p, bytes);
+    }
+    CHECK(vm.stats().used_bytes == 0);
+  }
+}
+
 // Frees on the legacy default stream record their event only when it is needed
 // (driver_mapping.hpp): when a non-blocking stream (which the legacy stream does not order)
 // takes the range, and when the host waits before recycling. Either way the kernel still
@@ -118,6 +165,11 @@ TEST_CASE("vm_resource (GPU): frees on the legacy stream order later users, reco
   SECTION("recycled (a host wait)") {
     vm_resource vm{0, options};
     recycle_while_a_kernel_reads(vm, stream_view{}, writer);
+    CHECK(vm.release() == 256 * MiB);
+  }
+  SECTION("recycled for the legacy stream itself (stream order, no host wait)") {
+    vm_resource vm{0, options};
+    recycle_while_a_kernel_reads(vm, stream_view{}, stream_view{}, /*no_host_wait=*/true);
     CHECK(vm.release() == 256 * MiB);
   }
   SECTION("taken as it is by another stream (a device wait)") {

@@ -304,51 +304,72 @@ TEST_CASE("vm_resource: recycling memory freed on the request's own stream needs
   // One stream, as a training loop has it: fill the device on a, free every other block on a,
   // then ask on a for more than any hole. The request is ordered after those frees on a, so
   // the handles are mapped again with no host wait (the old mapping stays as an alias until
-  // release()); the new range stays pending on a.
-  sim_vm s{256 * MiB, handles_of(32 * MiB)};
-  const cudaStream_t a = fake_stream(1);
-  const cudaStream_t b = fake_stream(2);
-  std::vector<void*> blocks = eight_on(s.vm, a);
-  CHECK_THROWS_AS(s.vm.allocate(32 * MiB, 256, a), out_of_memory);  // the device is full
-  for (std::size_t i = 0; i < blocks.size(); i += 2) {
-    s.vm.deallocate(blocks[i], 32 * MiB, 256, a);
+  // release()); the new range stays pending on a. The legacy default stream (0, where a
+  // PyTorch training loop runs) is such a stream too: a host wait there would drain the
+  // device's queue at every compaction.
+  for (const cudaStream_t a : {fake_stream(1), cudaStream_t{nullptr}}) {
+    CAPTURE(a == nullptr);
+    sim_vm s{256 * MiB, handles_of(32 * MiB)};
+    const cudaStream_t b = fake_stream(2);
+    std::vector<void*> blocks = eight_on(s.vm, a);
+    CHECK_THROWS_AS(s.vm.allocate(32 * MiB, 256, a), out_of_memory);  // the device is full
+    for (std::size_t i = 0; i < blocks.size(); i += 2) {
+      s.vm.deallocate(blocks[i], 32 * MiB, 256, a);
+    }
+    const auto before = s.layer.calls;
+    void* big = s.vm.allocate(128 * MiB, 256, a);
+    CHECK(s.vm.vm_stats().compactions == 1);
+    CHECK(s.layer.calls.wait_for_free == before.wait_for_free);  // no host wait
+    CHECK(s.layer.calls.order_after_free == before.order_after_free);  // nor a device one
+    CHECK(s.layer.in_flight(addr(big)));  // a's earlier work may still use these handles
+
+    // Freed on a and asked for on b: b is ordered after a's frees on the device, as for any
+    // range freed on another stream; the host never waited.
+    s.vm.deallocate(big, 128 * MiB, 256, a);
+    void* on_b = s.vm.allocate(128 * MiB, 256, b);
+    CHECK(on_b == big);
+    CHECK(s.layer.calls.order_after_free == before.order_after_free + 1);
+    CHECK(s.layer.calls.wait_for_free == before.wait_for_free);
+    s.vm.deallocate(on_b, 128 * MiB, 256, b);
+
+    free_odd_and_release(s, blocks, a);  // no alias was unmapped while a could still use it
   }
+}
+
+TEST_CASE("vm_resource: a synchronous request recycling the legacy stream's frees waits for "
+          "them") {
+  // The synchronous form names no stream, and must not pass for the legacy stream (handle 0
+  // too): it waits on the host for the frees it recycles.
+  sim_vm s{256 * MiB, handles_of(32 * MiB)};
+  std::vector<void*> blocks = holes_on(s.vm, nullptr);
   const auto before = s.layer.calls;
-  void* big = s.vm.allocate(128 * MiB, 256, a);
+  void* big = s.vm.allocate(128 * MiB);
   CHECK(s.vm.vm_stats().compactions == 1);
-  CHECK(s.layer.calls.wait_for_free == before.wait_for_free);  // no host wait
-  CHECK(s.layer.calls.order_after_free == before.order_after_free);  // nor a device one
-  CHECK(s.layer.in_flight(addr(big)));  // a's earlier work may still use these handles
-
-  // Freed on a and asked for on b: b is ordered after a's frees on the device, as for any
-  // range freed on another stream; the host never waited.
-  s.vm.deallocate(big, 128 * MiB, 256, a);
-  void* on_b = s.vm.allocate(128 * MiB, 256, b);
-  CHECK(on_b == big);
-  CHECK(s.layer.calls.order_after_free == before.order_after_free + 1);
-  CHECK(s.layer.calls.wait_for_free == before.wait_for_free);
-  s.vm.deallocate(on_b, 128 * MiB, 256, b);
-
-  free_odd_and_release(s, blocks, a);  // no alias was unmapped while a could still use it
+  CHECK(s.layer.calls.wait_for_free == before.wait_for_free + 1);
+  CHECK_FALSE(s.layer.in_flight(addr(big)));
+  s.vm.deallocate(big, 128 * MiB);
+  free_odd_and_release(s, blocks, nullptr);
 }
 
 TEST_CASE("vm_resource: a compaction that fails after recycling the request's own frees waits "
           "for them before it unmaps the new aliases, and puts the handles back idle") {
-  sim_vm s{256 * MiB, handles_of(32 * MiB)};
-  const cudaStream_t a = fake_stream(1);
-  const cudaStream_t b = fake_stream(2);
-  std::vector<void*> blocks = holes_on(s.vm, a);
-  const auto before = s.layer.calls;
-  s.layer.fail_map_after(2);
-  CHECK_THROWS_AS(s.vm.allocate(128 * MiB, 256, a), std::runtime_error);
-  CHECK(s.layer.calls.wait_for_free == before.wait_for_free + 1);  // the rare path waits
-  CHECK(s.layer.unmaps_in_flight == 0);
-  // The holes are back where they were, idle now: a request on b takes one with no wait.
-  void* hole = s.vm.allocate(32 * MiB, 256, b);
-  CHECK(s.layer.calls.order_after_free == before.order_after_free);
-  CHECK_FALSE(s.layer.in_flight(addr(hole)));
-  s.vm.deallocate(hole, 32 * MiB, 256, b);
-  free_odd_and_release(s, blocks, a);
+  for (const cudaStream_t a : {fake_stream(1), cudaStream_t{nullptr}}) {
+    CAPTURE(a == nullptr);
+    sim_vm s{256 * MiB, handles_of(32 * MiB)};
+    const cudaStream_t b = fake_stream(2);
+    std::vector<void*> blocks = holes_on(s.vm, a);
+    const auto before = s.layer.calls;
+    s.layer.fail_map_after(2);
+    CHECK_THROWS_AS(s.vm.allocate(128 * MiB, 256, a), std::runtime_error);
+    CHECK(s.layer.calls.wait_for_free == before.wait_for_free + 1);  // the rare path waits
+    CHECK(s.layer.unmaps_in_flight == 0);
+    // The holes are back where they were, idle now: a request on b takes one with no wait.
+    void* hole = s.vm.allocate(32 * MiB, 256, b);
+    CHECK(s.layer.calls.order_after_free == before.order_after_free);
+    CHECK_FALSE(s.layer.in_flight(addr(hole)));
+    s.vm.deallocate(hole, 32 * MiB, 256, b);
+    free_odd_and_release(s, blocks, a);
+  }
 }
 
 TEST_CASE("vm_resource: a request on a stream recycles memory another stream freed with a host "
@@ -803,10 +824,13 @@ TEST_CASE("vm_resource: running out of address space sweeps stale aliases past t
 }
 
 TEST_CASE("vm_resource: randomised against a model") {
-  for (std::uint32_t seed : {1u, 2u, 3u, 4u}) {
+  for (std::uint32_t seed : {1u, 2u, 3u, 4u, 5u}) {
     CAPTURE(seed);
     const std::size_t capacity = 512 * MiB;
-    sim_vm s{capacity, handles_of(std::size_t{4} << (20 + seed % 3), 64 * MiB)};
+    // Seeds 1-4: handles of a power of two (placement is arithmetic); 5: 6 MiB handles, not
+    // aligned to their size (placement looks the handles up).
+    const std::size_t handle = seed == 5 ? 6 * MiB : std::size_t{4} << (20 + seed % 3);
+    sim_vm s{capacity, handles_of(handle, 64 * MiB)};
     std::mt19937_64 rng{seed};
     std::map<std::uintptr_t, std::size_t> live;  // the model: address -> bytes
     std::size_t live_bytes = 0;
@@ -873,6 +897,65 @@ TEST_CASE("vm_resource: randomised against a model") {
     CHECK(s.layer.violations == 0);
     CHECK(s.layer.unmaps_in_flight == 0);
   }
+}
+
+TEST_CASE("handle_set: placement by arithmetic agrees with looking the handles up") {
+  // While every handle has the resource's size and sits at a multiple of it, place_whole
+  // rounds instead of walking the map. Both answers, for random tilings and free ranges.
+  const std::size_t handle = 4 * MiB;
+  std::mt19937_64 rng(23);
+  for (int round = 0; round < 50; ++round) {
+    detail::handle_set arithmetic{handle};
+    detail::handle_set lookup;  // no handle size known: always looks up
+    std::vector<std::pair<std::uintptr_t, std::uintptr_t>> runs;  // mapped [begin, end)
+    std::uintptr_t at = (std::uintptr_t{1} << 40) + handle * (rng() % 8);
+    for (int r = 0; r < 6; ++r) {
+      const std::uintptr_t begin = at;
+      for (std::size_t h = 0, n = 1 + rng() % 5; h < n; ++h, at += handle) {
+        arithmetic.add(at, {detail::vm_handle{at}, handle});
+        lookup.add(at, {detail::vm_handle{at}, handle});
+      }
+      runs.emplace_back(begin, at);
+      at += handle * (1 + rng() % 3);  // a gap: unmapped
+    }
+    REQUIRE(arithmetic.all_aligned());
+    REQUIRE_FALSE(lookup.all_aligned());
+    for (int q = 0; q < 200; ++q) {
+      const auto [b0, b1] = runs[rng() % runs.size()];
+      const std::uintptr_t granule = 2 * MiB;
+      const std::uintptr_t begin = b0 + granule * (rng() % ((b1 - b0) / granule));
+      const std::uintptr_t end = begin + granule * (1 + rng() % ((b1 - begin) / granule));
+      const std::size_t size = granule * (2 + rng() % 10);
+      CAPTURE(round, q, begin - b0, end - begin, size);
+      const auto a = arithmetic.place_whole(begin, end, size);
+      const auto l = lookup.place_whole(begin, end, size);
+      REQUIRE(a.has_value() == l.has_value());
+      if (a) {
+        CHECK(a->start == l->start);
+        CHECK(a->end == l->end);
+        CHECK(a->start % handle == 0);
+      }
+    }
+  }
+  // One handle of another size, or off a multiple of its size, and placement looks up again
+  // until it is gone; handles adopted from a batch count too.
+  detail::handle_set set{handle};
+  const std::uintptr_t base = std::uintptr_t{1} << 40;
+  set.add(base, {detail::vm_handle{1}, handle});
+  CHECK(set.all_aligned());
+  set.add(base + handle + 2 * MiB, {detail::vm_handle{2}, handle});
+  CHECK_FALSE(set.all_aligned());
+  set.erase(base + handle + 2 * MiB);
+  CHECK(set.all_aligned());
+  detail::handle_set::map_type made;
+  made.emplace(base + 4 * handle, detail::mapped_handle{detail::vm_handle{3}, 2 * MiB});
+  set.adopt(made);
+  CHECK_FALSE(set.all_aligned());
+  set.erase(base + 4 * handle);
+  CHECK(set.all_aligned());
+  set.erase(base + 9 * handle);  // not mapped: nothing changes
+  CHECK(set.all_aligned());
+  CHECK(set.count() == 1);
 }
 
 TEST_CASE("free_range_index: adjacent pairs stay exact; best_run without them is best fit's") {

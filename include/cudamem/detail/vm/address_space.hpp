@@ -1,7 +1,7 @@
 // cudamem/detail/vm/address_space.hpp — vm_resource's virtual address space: the ranges it
 // has reserved, and the frontier where new mappings go.
 //
-//   address_space space{reservation_bytes};
+//   address_space space{reservation_bytes, alignment};
 //   if (space.room() < needed) space.reserve(layer, std::max(...));  // a new active range
 //   layer.map(space.frontier(), bytes, h);  space.advance(bytes);
 //
@@ -10,7 +10,10 @@
 // four times the device's memory once, and more ranges if it ever runs out. Growth and
 // compaction map at the *frontier*: the lowest never-used address of the active range, where
 // new mappings extend the free range that ends there. A reservation with nothing mapped in it
-// is given back (the active one starts over from its base instead).
+// is given back (the active one starts over from its base instead). Reservations start at a
+// multiple of `alignment`: the handle size when it is a power of two, so that handles, mapped
+// one after another from a reservation's base, each sit at a multiple of their size
+// (handle_set's placement is arithmetic then).
 //
 // Not thread-safe: vm_resource's mutex guards it.
 #pragma once
@@ -25,8 +28,8 @@ namespace cudamem::detail {
 
 class address_space {
  public:
-  explicit address_space(std::size_t reservation_bytes) noexcept
-      : reservation_bytes_(reservation_bytes) {}
+  address_space(std::size_t reservation_bytes, std::size_t alignment) noexcept
+      : reservation_bytes_(reservation_bytes), alignment_(alignment) {}
 
   /// The size of one reservation (when a request needs no more).
   [[nodiscard]] std::size_t reservation_bytes() const noexcept { return reservation_bytes_; }
@@ -60,7 +63,7 @@ class address_space {
   /// Reserves a new range of `bytes` and makes it the active one. Throws what the layer throws.
   void reserve(vm_mapping_layer& layer, std::size_t bytes) {
     reservations_.reserve(reservations_.size() + 1);  // so the push cannot throw and leak
-    const std::uintptr_t base = layer.reserve(bytes);
+    const std::uintptr_t base = layer.reserve(bytes, alignment_);
     reservations_.push_back({base, bytes});
     frontier_ = base;
     frontier_end_ = base + bytes;
@@ -99,6 +102,7 @@ class address_space {
   };
   std::vector<reservation> reservations_;
   std::size_t reservation_bytes_;
+  std::size_t alignment_;  ///< of every reservation's base
   std::uintptr_t frontier_ = 0;      ///< lowest never-mapped address of the active reservation
   std::uintptr_t frontier_end_ = 0;  ///< its end
 };

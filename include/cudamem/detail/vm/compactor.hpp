@@ -21,15 +21,14 @@
 // - Then, once growth cannot give what is missing, neighbours freed on different streams that
 //   together hold the request are merged by a host wait (vm_resource decides which: the
 //   `merge_neighbours` callable), and nothing moves.
-// - Then recycling, and only what is missing. Handles that lie
-//   wholly in free memory are mapped again at the frontier, next to each other and to the
-//   free range already there, so they become one contiguous free range. Only as many as the
-//   request lacks are moved, from the smallest free runs first: a large free run serves later
-//   requests where it is, for nothing. The host waits first for every stream whose frees
-//   cover the handles moved, but the request's own: that one orders the request after its
-//   frees, and the range keeps its tag (make_room says when).
-//   Once the device has said "full", recycling comes first, and the device is probed (one
-//   create) only for what recycling cannot give.
+// - Then recycling, and only what is missing. Handles that lie wholly in free memory are
+//   mapped again at the frontier, next to each other and to the free range already there, so
+//   they become one contiguous free range. Only as many as the request lacks are moved, from
+//   the smallest free runs first: a large free run serves later requests where it is, for
+//   nothing. The host waits first for every stream whose frees cover the handles moved, but
+//   the request's own (the legacy stream too): stream order puts the request after its frees,
+//   and the range keeps its tag (make_room says when). Once the device has said "full",
+//   recycling comes first, and the device is probed (one create) only for what it cannot give.
 // - keep_free_bytes (0 by default): while growth would leave the device less free than that,
 //   recycling comes first too, and only what it cannot give is created (into the reserve), so
 //   the footprint stays near what is in use and the rest of the process keeps the reserve
@@ -93,15 +92,14 @@ class vm_compactor {
   /// ranges freed on different streams, merged by a host wait; true if they now hold the
   /// request, and then nothing is recycled), then recycles idle handles. False (with `cause`,
   /// nothing changed) when even that is not enough. Throws what the layer throws (nothing
-  /// changed then either).
-  ///
-  /// `requester`: the request's stream (null: the synchronous form). Recycled memory freed on
-  /// it needs no host wait: stream order puts the request after those frees, and the new
-  /// mapping is an alias that work running through the old one never sees; the range at the
-  /// frontier keeps that stream's tag (a request on another stream waits on the device).
+  /// changed then either). `requester`: the request's stream (placement.hpp's ordered_on: none when synchronous; the
+  /// legacy stream 0 is one). Its recycled frees need no host wait (which drains the queue):
+  /// stream order puts the request after them, the new mapping is an alias that work through
+  /// the old one never sees, and the frontier range keeps the tag (others wait on the device).
   template <class MergeNeighbours>
   bool make_room(std::size_t needed, bool whole, std::string& cause,
-                 MergeNeighbours&& merge_neighbours, cudaStream_t requester = nullptr) {
+                 MergeNeighbours&& merge_neighbours,
+                 std::optional<cudaStream_t> requester = std::nullopt) {
     ahead_held_back_ = false;  // the resource grows for a request: growth ahead may follow it
     const auto usable_at_frontier = [&] {
       const auto tail = free_.ending_at(space_.frontier());
@@ -170,17 +168,16 @@ class vm_compactor {
       return false;
     }
     // Recycle only what growth did not give.
-    cudaStream_t carried = nullptr;  // the stream whose pending frees the frontier range keeps
+    std::optional<cudaStream_t> carried;  // whose pending frees the frontier range keeps
     if (missing > created) {
       // The requester's frees may stay pending if the new range merges with the frontier's.
       const auto tail = free_.ending_at(space_.frontier());
-      const bool may_carry = requester != nullptr &&
-                             (tail == free_.end() || tail->second.complete ||
-                              tail->second.stream == requester);
+      const bool may_carry = requester && (tail == free_.end() || tail->second.complete ||
+                                           tail->second.stream == *requester);
       std::vector<moved_handle> recycled;
       try {
         recycled = take_recyclable(std::move(runs), missing - created,
-                                   may_carry ? requester : nullptr, &carried);
+                                   may_carry ? requester : std::nullopt, &carried);
         ++counts_.compactions;
         if (!growth_first && !handles_.device_full) {
           ++counts_.kept_free_compactions;  // the device had room: keep_free chose this
@@ -346,7 +343,7 @@ class vm_compactor {
   /// `pending_on`: a stream whose frees the recycled handles carry (their range keeps its
   /// tag); null: everything mapped is idle.
   void map_at_frontier(const std::vector<moved_handle>& all, std::size_t created,
-                       cudaStream_t pending_on = nullptr) {
+                       const std::optional<cudaStream_t>& pending_on = std::nullopt) {
     if (all.empty()) {
       return;
     }
@@ -371,7 +368,7 @@ class vm_compactor {
     }
     handles_.mapped_bytes += created;
     space_.advance(mapped);
-    free_.insert(start, {mapped, pending_on, pending_on == nullptr});
+    free_.insert(start, {mapped, pending_on.value_or(nullptr), !pending_on});
   }
 
   /// What growth may create without taking the device below keep_free_bytes: unbounded when
@@ -489,8 +486,8 @@ class vm_compactor {
   /// frees on `own` stay pending, and `*carried` says so): after this, the rest is idle.
   std::vector<moved_handle> take_recyclable(std::vector<recyclable_run> runs,
                                             std::size_t wanted = ~std::size_t{0},
-                                            cudaStream_t own = nullptr,
-                                            cudaStream_t* carried = nullptr) {
+                                            std::optional<cudaStream_t> own = std::nullopt,
+                                            std::optional<cudaStream_t>* carried = nullptr) {
     if (wanted < total_bytes(runs)) {
       std::stable_sort(runs.begin(), runs.end(),
                        [](const recyclable_run& a, const recyclable_run& b) {
@@ -516,7 +513,7 @@ class vm_compactor {
       handles_.erase(t.old_address);
     }
     for (cudaStream_t s : pending) {
-      if (own != nullptr && s == own) {
+      if (own && s == *own) {
         *carried = own;  // the request on `own` is ordered after these frees by the stream
         continue;
       }
@@ -539,12 +536,14 @@ class vm_compactor {
   /// pending on `pending_on` are waited for first: even an unused alias is unmapped only once
   /// no work can touch its memory (a rare path). If that wait fails they stay pending.
   void undo_mapping(const std::vector<moved_handle>& all, std::size_t mapped,
-                    cudaStream_t pending_on = nullptr) noexcept {
-    if (pending_on != nullptr) {
+                    const std::optional<cudaStream_t>& pending_on = std::nullopt) noexcept {
+    bool pending = pending_on.has_value();
+    const cudaStream_t freed_on = pending_on.value_or(nullptr);
+    if (pending) {
       try {
-        layer_.wait_for_free(pending_on);
-        free_.mark_complete(pending_on);
-        pending_on = nullptr;
+        layer_.wait_for_free(freed_on);
+        free_.mark_complete(freed_on);
+        pending = false;
       } catch (...) {
       }
     }
@@ -565,7 +564,7 @@ class vm_compactor {
       std::erase_if(handles_.stale, [&](const vm_alias& m) { return m.address == h.old_address; });
       try {
         handles_.add(h.old_address, mapped_handle{h.handle, h.bytes});
-        free_.insert(h.old_address, {h.bytes, pending_on, pending_on == nullptr});
+        free_.insert(h.old_address, {h.bytes, freed_on, !pending});
       } catch (...) {  // out of host memory while undoing: the handle stays mapped, unused
       }
     }

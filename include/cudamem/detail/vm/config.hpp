@@ -59,6 +59,12 @@ struct vm_config {
     return c;
   }
 
+  /// Where reservations start: at a multiple of the handle when it is a power of two (handles
+  /// then sit at multiples of their size; see handle_set::place_whole), else of the granule.
+  [[nodiscard]] constexpr std::size_t reservation_alignment() const noexcept {
+    return (handle & (handle - 1)) == 0 ? handle : granule;
+  }
+
   [[nodiscard]] static constexpr std::size_t round_up(std::size_t n, std::size_t unit) noexcept {
     return (n + unit - 1) / unit * unit;
   }

@@ -2,7 +2,7 @@
 // virtual memory management, through the driver table in detail/cuda/driver.hpp (no libcuda link).
 //
 //   cudamem::detail::driver_vm_mapping layer{0, {1}};   // device 0, readable by device 1 too
-//   std::uintptr_t va = layer.reserve(1ull << 30);
+//   std::uintptr_t va = layer.reserve(1ull << 30, layer.granularity());
 //   auto h = layer.create(2ull << 20);                  // nullopt: the device is full
 //   layer.map(va, 2ull << 20, *h);
 //   layer.set_access(va, 2ull << 20);                   // now kernels may touch it
@@ -163,9 +163,9 @@ class driver_vm_mapping final : public vm_mapping_layer, private stream_listener
   }
   [[nodiscard]] memory_domain domain() const noexcept override { return {device_, nullptr}; }
 
-  [[nodiscard]] std::uintptr_t reserve(std::size_t bytes) override {
+  [[nodiscard]] std::uintptr_t reserve(std::size_t bytes, std::size_t alignment) override {
     CUdeviceptr base = 0;
-    check_driver(driver().mem_address_reserve(&base, bytes, granularity_, 0, 0),
+    check_driver(driver().mem_address_reserve(&base, bytes, alignment, 0, 0),
                  "cuMemAddressReserve of " + std::to_string(bytes) + " bytes");
     return static_cast<std::uintptr_t>(base);
   }

@@ -100,7 +100,9 @@ class vm_mapping_layer {
   /// The memory it draws from (see the contract).
   [[nodiscard]] virtual memory_domain domain() const noexcept = 0;
 
-  [[nodiscard]] virtual std::uintptr_t reserve(std::size_t bytes) = 0;
+  /// Reserves `bytes` of address space starting at a multiple of `alignment` (a power of two,
+  /// a multiple of the granularity).
+  [[nodiscard]] virtual std::uintptr_t reserve(std::size_t bytes, std::size_t alignment) = 0;
   virtual void free_reservation(std::uintptr_t base, std::size_t bytes) noexcept = 0;
   [[nodiscard]] virtual std::optional<vm_handle> create(std::size_t bytes) = 0;
   virtual void release(vm_handle handle) noexcept = 0;
@@ -267,12 +269,15 @@ class simulated_vm_mapping final : public vm_mapping_layer {
                                              : static_cast<const void*>(this)};
   }
 
-  [[nodiscard]] std::uintptr_t reserve(std::size_t bytes) override {
+  [[nodiscard]] std::uintptr_t reserve(std::size_t bytes, std::size_t alignment) override {
     const std::lock_guard lock(mutex_);
     ++calls.reserve;
     require(bytes > 0 && bytes % options_.granularity == 0, "reserve: size not granular");
-    const std::uintptr_t base = next_address_;
-    next_address_ += bytes + options_.granularity;  // a gap: adjacent reservations never touch
+    require(alignment != 0 && (alignment & (alignment - 1)) == 0 &&
+                alignment % options_.granularity == 0,
+            "reserve: alignment not a power-of-two multiple of the granularity");
+    const std::uintptr_t base = (next_address_ + alignment - 1) / alignment * alignment;
+    next_address_ = base + bytes + options_.granularity;  // a gap: reservations never touch
     reservations_.emplace(base, bytes);
     return base;
   }
