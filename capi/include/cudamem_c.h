@@ -128,7 +128,8 @@ typedef struct cudamem_stats {
    * for async): */
   uint64_t compactions;           /* vm_pool: free handles mapped again together to serve a
                                      request; each waits on the host for the streams whose
-                                     frees cover them, and pays the driver per handle */
+                                     frees cover them (not the request's own stream) and pays
+                                     the driver per handle */
   uint64_t kept_free_compactions; /* vm_pool: of compactions, those chosen over growth so that
                                      the device keeps keep_free_bytes free */
   uint64_t stream_waits;          /* cudaStreamWaitEvent the pool inserted (a block freed on
