@@ -92,10 +92,11 @@ class vm_compactor {
   /// ranges freed on different streams, merged by a host wait; true if they now hold the
   /// request, and then nothing is recycled), then recycles idle handles. False (with `cause`,
   /// nothing changed) when even that is not enough. Throws what the layer throws (nothing
-  /// changed then either). `requester`: the request's stream (placement.hpp's ordered_on: none when synchronous; the
-  /// legacy stream 0 is one). Its recycled frees need no host wait (which drains the queue):
-  /// stream order puts the request after them, the new mapping is an alias that work through
-  /// the old one never sees, and the frontier range keeps the tag (others wait on the device).
+  /// changed then either). `requester`: the request's stream (placement.hpp's ordered_on:
+  /// none when synchronous; the legacy stream 0 is one). Its recycled frees need no host wait
+  /// (which drains the queue): stream order puts the request after them, the new mapping is an
+  /// alias that work through the old one never sees, and the frontier range keeps the tag
+  /// (others wait on the device).
   template <class MergeNeighbours>
   bool make_room(std::size_t needed, bool whole, std::string& cause,
                  MergeNeighbours&& merge_neighbours,
@@ -341,7 +342,7 @@ class vm_compactor {
   /// the frontier with one cuMemSetAccess, as one free range. On a failure the batch is
   /// undone (see undo_mapping) and the error rethrown. Nothing to map: nothing happens.
   /// `pending_on`: a stream whose frees the recycled handles carry (their range keeps its
-  /// tag); null: everything mapped is idle.
+  /// tag); none: everything mapped is idle.
   void map_at_frontier(const std::vector<moved_handle>& all, std::size_t created,
                        const std::optional<cudaStream_t>& pending_on = std::nullopt) {
     if (all.empty()) {
