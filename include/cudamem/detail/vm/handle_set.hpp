@@ -29,6 +29,7 @@
 #pragma once
 
 #include <cudamem/detail/held_bytes.hpp>
+#include <cudamem/detail/vm/config.hpp>
 #include <cudamem/detail/vm/mapping.hpp>
 
 #include <algorithm>
@@ -105,8 +106,8 @@ class handle_set {
   [[nodiscard]] std::optional<vm_placement> place_whole(std::uintptr_t begin, std::uintptr_t end,
                                                         std::size_t size) const {
     if (all_aligned()) {
-      const std::uintptr_t start = (begin + uniform_ - 1) / uniform_ * uniform_;
-      const std::uintptr_t stop = start + (size + uniform_ - 1) / uniform_ * uniform_;
+      const std::uintptr_t start = vm_config::round_up(begin, uniform_);
+      const std::uintptr_t stop = start + vm_config::round_up(size, uniform_);
       if (stop > end) {
         return std::nullopt;
       }
