@@ -36,6 +36,7 @@
 #include <cudamem/tracking_adaptor.hpp>
 
 #include "traces.hpp"
+#include "median.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -79,11 +80,7 @@ double replay_ns(const cudamem_bench::trace& t, memory_resource& mr,
          static_cast<double>(t.ops.size());
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
+using cudamem_bench::median;
 
 /// Times every stack over `pool` on the single-thread standard traces and prints the table.
 /// The stacks are interleaved: each round replays the trace once through every stack, in

@@ -47,6 +47,8 @@
 #include <cudamem/pinned_buffer.hpp>
 #include <cudamem/stream.hpp>
 
+#include "median.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -62,11 +64,7 @@
 
 namespace {
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
+using cudamem_bench::median;
 
 /// ns per call of `body` run `ops` times.
 double ns_per_op(int ops, const std::function<void()>& body) {

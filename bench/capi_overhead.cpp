@@ -12,6 +12,8 @@
 
 #include <cudamem_c.h>
 
+#include "median.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -41,10 +43,7 @@ double run_round(variant& v, const std::vector<std::size_t>& sizes, std::size_t 
   return ns / static_cast<double>(pairs);
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
+using cudamem_bench::median;
 
 void check_status(cudamem_status s) {
   if (s != CUDAMEM_OK) {

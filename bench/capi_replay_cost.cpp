@@ -25,6 +25,8 @@
 
 #include <cudamem_c.h>
 
+#include "median.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -50,13 +52,7 @@ struct pass_cost {
   [[nodiscard]] double per_call(int k) const { return calls[k] ? ns[k] / calls[k] : 0.0; }
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  if (v.empty()) {
-    return 0.0;
-  }
-  return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
-}
+using cudamem_bench::median;
 
 int usage(const char* why) {
   std::fprintf(stderr,

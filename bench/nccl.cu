@@ -50,6 +50,8 @@
 #include <cudamem/stream.hpp>
 #include <cudamem/vm_pool_resource.hpp>
 
+#include "median.hpp"
+
 #include <nccl.h>
 
 #include <algorithm>
@@ -68,10 +70,7 @@ namespace {
 
 constexpr std::size_t MiB = std::size_t{1} << 20;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
+using cudamem_bench::median;
 
 std::string size_name(std::size_t bytes) {
   return bytes >= (std::size_t{1} << 30) ? std::to_string(bytes >> 30) + " GiB"

@@ -23,6 +23,8 @@
 #include <cudamem/peer_access.hpp>
 #include <cudamem/stream.hpp>
 
+#include "median.hpp"
+
 #include <algorithm>
 #include <array>
 #include <cstdio>
@@ -34,10 +36,7 @@
 
 namespace {
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using cudamem_bench::median;
 
 std::string size_name(std::size_t bytes) {
   return bytes >= (std::size_t{1} << 20) ? std::to_string(bytes >> 20) + " MiB"

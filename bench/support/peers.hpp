@@ -21,6 +21,8 @@
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/pool_resource.hpp>
 
+#include "median.hpp"
+
 #include <cub/util_allocator.cuh>
 
 #include <cuda_runtime_api.h>
@@ -40,15 +42,6 @@ inline void require(cudaError_t code, const char* what) {
     std::fprintf(stderr, "bench: %s: %s\n", what, cudaGetErrorString(code));
     std::exit(1);
   }
-}
-
-/// The median of `samples` (the upper one of the middle two for an even count).
-inline double median(std::vector<double> samples) {
-  if (samples.empty()) {
-    return 0.0;
-  }
-  std::sort(samples.begin(), samples.end());
-  return samples[samples.size() / 2];
 }
 
 /// `after` - `before`, count by count: what a pool did over a span of a benchmark.

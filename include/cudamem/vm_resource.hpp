@@ -60,16 +60,16 @@
 // - Blocks are granule multiples, whole handles from `handle_bytes` up (a request is rounded up;
 //   `vm_stats().partial_granule_bytes` is that waste), aligned to the granule, or to any larger
 //   power-of-two alignment asked for.
-// - Stream order. A free on stream s records an event on s (one per stream, the layer's, so s
-//   may be destroyed after; on the legacy stream only once needed: driver_mapping.hpp). A
-//   range freed on s and taken by a request on t makes t wait for that event (no host wait).
-//   Recycling a handle freed on another stream than the request's waits *on the host* for
-//   that stream's last free (cudaEventSynchronize); freed on the request's own, it waits for
-//   nothing (stream order; the new mapping is an alias) and keeps that stream's tag. So does
-//   merging neighbours freed on different streams when no single free range holds a request
-//   (the host waits for their streams, all but the request's own). After a host wait for a
-//   stream, everything freed on it is idle and merges with its neighbours. Synchronous forms
-//   wait on the host, and take an idle range first; a synchronous free promises idle.
+// - Stream order. A free on stream s records an event on s (one per stream, the layer's, so s may
+//   be destroyed after; on the legacy stream only once needed: driver_mapping.hpp). A range freed
+//   on s and taken by a request on t makes t wait for that event (no host wait). Recycling a handle
+//   freed on another stream than the request's waits *on the host* for that stream's last free
+//   (cudaEventSynchronize); freed on the request's own, it waits for nothing (stream order; the new
+//   mapping is an alias) and keeps that stream's tag. So does merging neighbours freed on different
+//   streams when no single free range holds a request (the host waits for their streams, all but
+//   the request's own). After a host wait for a stream, everything freed on it is idle and merges
+//   with its neighbours. Synchronous forms wait on the host, and take an idle range first; a
+//   synchronous free promises idle. cudaStreamPerThread is each thread's own (stream_tag.hpp).
 // - Physical memory is never unmapped while work may touch it: release(), the destructor and
 //   the address-space sweep wait on the host for every recorded free first.
 // - `release()` unmaps stale aliases and gives every wholly free handle back to the driver;
@@ -88,31 +88,28 @@
 // - Host memory: the records of blocks and free ranges reuse the nodes of freed ones
 //   (detail/spare_nodes.hpp), so once warm, taking and freeing blocks allocates none.
 // - Thread-safe: one mutex (a pool above calls it for chunks only).
-// - Growth ahead (`grow_ahead_bytes`; by default 4 GiB over a real device, 0 over a layer of
-//   device -1, the simulated one): after an allocation leaves less than a quarter of what it
-//   holds (up to grow_ahead_bytes) free at the frontier, a thread of its own, started then,
-//   creates and maps the next handles with no lock held and adds them as free memory, where a
-//   growth would have put them. A request that finds no fit while the thread is busy waits for
-//   its batches (then grows itself if still short). The thread stops at "device full" and at
-//   `physical_limit`; a driver error there is reported (report_problem) and ends it for good,
-//   the resource then growing on the callers' threads. `release()` gives back what was made
-//   ahead and makes nothing more until an allocation asks; `wait_for_growth()` waits for the
-//   thread to be idle; the destructor joins it first. vm_stats().handles_created_ahead counts
-//   its handles.
-// - Memory held ahead gives way to the rest of the process. The thread never takes the
-//   device below `grow_ahead_floor_bytes` of free memory (default_grow_ahead_floor and the
-//   constants above it say why: 2 GiB or 1/32 of the device); the resource's own growth for
-//   a request may. Memory held ahead — whole handles free at the end of what is mapped, made
-//   by the thread or left by a growth: vm_stats().held_ahead_bytes — is given back before
-//   any cudamem resource of the process fails for lack of memory on this device
-//   (device_resource, async_resource, ipc_pool_resource, nccl_mem_resource, another
-//   vm_resource; pools and arenas through their upstreams; a
-//   simulated_resource for vm_resources over it: detail/held_ahead.hpp), which then tries
-//   once more; `trim()` gives it back on demand. Either waits for a batch under way, then
-//   for frees pending on the memory (on the host); growth ahead then waits until the
-//   resource grows for a request of its own (so it does not take back at once what another
-//   resource needs), as it does at the floor. A vm_resource that cannot grow asks the
-//   others before it fails, with its own lock released.
+// - Growth ahead (`grow_ahead_bytes`; by default 4 GiB over a real device, 0 over a layer of device
+//   -1, the simulated one): after an allocation leaves less than a quarter of what it holds (up to
+//   grow_ahead_bytes) free at the frontier, a thread of its own, started then, creates and maps the
+//   next handles with no lock held and adds them as free memory, where a growth would have put
+//   them. A request that finds no fit while the thread is busy waits for its batches (then grows
+//   itself if still short). The thread stops at "device full" and at `physical_limit`; a driver
+//   error there is reported (report_problem) and ends it for good, the resource then growing on the
+//   callers' threads. `release()` gives back what was made ahead and makes nothing more until an
+//   allocation asks; `wait_for_growth()` waits for the thread to be idle; the destructor joins it
+//   first. vm_stats().handles_created_ahead counts its handles. - Memory held ahead gives way to
+//   the rest of the process. The thread never takes the device below `grow_ahead_floor_bytes` of
+//   free memory (default_grow_ahead_floor and the constants above it say why: 2 GiB or 1/32 of the
+//   device); the resource's own growth for a request may. Memory held ahead — whole handles free at
+//   the end of what is mapped, made by the thread or left by a growth: vm_stats().held_ahead_bytes
+//   — is given back before any cudamem resource of the process fails for lack of memory on this
+//   device (device_resource, async_resource, ipc_pool_resource, nccl_mem_resource, another
+//   vm_resource; pools and arenas through their upstreams; a simulated_resource for vm_resources
+//   over it: detail/held_ahead.hpp), which then tries once more; `trim()` gives it back on demand.
+//   Either waits for a batch under way, then for frees pending on the memory (on the host); growth
+//   ahead then waits until the resource grows for a request of its own (so it does not take back at
+//   once what another resource needs), as it does at the floor. A vm_resource that cannot grow asks
+//   the others before it fails, with its own lock released.
 // - A reserve for the rest of the process (`keep_free_bytes`, 0 by default): growth for a
 //   request that would leave the device less free than that recycles free handles first and
 //   creates only what they cannot give (into the reserve: it is not a limit); growth ahead
@@ -133,6 +130,7 @@
 #include <cudamem/detail/vm/options.hpp>
 #include <cudamem/detail/vm/placement.hpp>
 #include <cudamem/detail/vm/stats.hpp>
+#include <cudamem/detail/vm/stream_tag.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_report.hpp>
@@ -333,14 +331,14 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
   // --- the memory_resource interface ------------------------------------------------------
 
   void* do_allocate(std::size_t bytes, std::size_t alignment, stream_view stream) override {
-    return allocate_range(bytes, alignment, stream.get(), false);
+    return allocate_range(bytes, alignment, detail::stream_tag(stream.get()), false);
   }
   void* do_allocate_sync(std::size_t bytes, std::size_t alignment) override {
     return allocate_range(bytes, alignment, nullptr, true);
   }
   void do_deallocate(void* p, std::size_t bytes, std::size_t /*alignment*/,
                      stream_view stream) noexcept override {
-    free_range_at(p, bytes, stream.get(), false);
+    free_range_at(p, bytes, detail::stream_tag(stream.get()), false);
   }
   void do_deallocate_sync(void* p, std::size_t bytes, std::size_t /*alignment*/) noexcept override {
     free_range_at(p, bytes, nullptr, true);

@@ -2,7 +2,7 @@
 // still reading a freed block whose physical memory is recycled, through the pool and through
 // the upstream alone), everything given back at destruction, real swiss cheese, the mixed
 // trace's variants run twice on one pool (the second run keeps as much live as the first),
-// peers, bad input; memory made ahead by the growth thread.
+// peers, bad input; memory made ahead by the growth thread; per-thread streams of two threads.
 #include <cudamem/stream.hpp>
 #include <cudamem/vm_pool_resource.hpp>
 #include <cudamem/vm_resource.hpp>
@@ -14,6 +14,8 @@
 #include <array>
 #include <cstdint>
 #include <cstdio>
+#include <future>
+#include <thread>
 #include <vector>
 
 using namespace cudamem;
@@ -195,6 +197,63 @@ TEST_CASE("vm_resource (GPU): frees on the legacy stream order later users, reco
     check(cudaFree(count));
     vm.deallocate(again, 64 * MiB, 256, writer);
   }
+}
+
+// cudaStreamPerThread is the same handle in every thread and a different stream in each
+// (detail/vm/stream_tag.hpp). A worker's kernels still read blocks it freed on its own
+// per-thread stream; the main thread, on its per-thread stream, must not overwrite them:
+// recycled, the host waits for the worker's free; taken as it is, the device does. The worker
+// stays alive until the main thread is done, so its stream cannot be finished by its exit.
+TEST_CASE("vm_resource (GPU): another thread's per-thread stream is another stream") {
+  vm_resource_options options;
+  options.handle_bytes = 32 * MiB;
+  options.growth_bytes = 0;
+  options.physical_limit = 256 * MiB;
+  options.grow_ahead_bytes = 0;  // what release() gives back is what the test mapped
+  vm_resource vm{0, options};
+  const stream_view per_thread = stream_view::per_thread();
+  const bool recycled = GENERATE(true, false);
+  CAPTURE(recycled);
+  const std::size_t block = recycled ? 64 * MiB : 128 * MiB;
+  std::vector<void*> blocks;
+  unsigned long long* count = nullptr;
+  std::promise<void> worker_done;
+  std::promise<void> main_done;
+  std::thread worker{[&] {
+    check(cudaSetDevice(0));
+    for (std::size_t i = 0; i < (recycled ? 4 : 1); ++i) {
+      blocks.push_back(vm.allocate(block, 256, per_thread));
+      check(cudaMemsetAsync(blocks.back(), 1, block, per_thread.get()));
+    }
+    check(cudaMallocAsync(&count, 2 * sizeof(unsigned long long), per_thread.get()));
+    check(cudaMemsetAsync(count, 0, 2 * sizeof(unsigned long long), per_thread.get()));
+    for (std::size_t i = 0; i < blocks.size(); i += 2) {
+      slow_count<<<256, 256, 0, per_thread.get()>>>(static_cast<unsigned char*>(blocks[i]),
+                                                    block, 1, 1'000'000'000, count + i / 2);
+      check(cudaGetLastError());
+      vm.deallocate(blocks[i], block, 256, per_thread);
+    }
+    worker_done.set_value();
+    main_done.get_future().wait();
+    per_thread.synchronize();
+  }};
+  worker_done.get_future().wait();
+  void* mine = vm.allocate(128 * MiB, 256, per_thread);  // both holes, or the one block
+  CHECK(vm.vm_stats().compactions == (recycled ? 1U : 0U));
+  check(cudaMemsetAsync(mine, 0xFF, 128 * MiB, per_thread.get()));
+  per_thread.synchronize();
+  main_done.set_value();
+  worker.join();
+  unsigned long long host[2] = {0, 0};
+  check(cudaMemcpy(host, count, sizeof host, cudaMemcpyDeviceToHost));
+  CHECK(host[0] == block);
+  CHECK(host[1] == (recycled ? block : 0));
+  check(cudaFree(count));
+  vm.deallocate(mine, 128 * MiB, 256, per_thread);
+  for (std::size_t i = 1; i < blocks.size(); i += 2) {
+    vm.deallocate(blocks[i], block, 256, per_thread);
+  }
+  CHECK(vm.release() == (recycled ? 256 : 128) * MiB);
 }
 
 TEST_CASE("vm_pool (GPU): destruction gives every byte back to the device", "[free-memory]") {

@@ -15,6 +15,7 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <thread>
 #include <vector>
 
 using namespace cudamem;
@@ -388,6 +389,89 @@ TEST_CASE("vm_resource: a request on a stream recycles memory another stream fre
   CHECK(s.layer.calls.wait_for_free == before.wait_for_free + 1);  // for b
   s.vm.deallocate(big, 128 * MiB, 256, a);
   free_odd_and_release(s, blocks, a);
+}
+
+TEST_CASE("vm_resource: cudaStreamPerThread is one stream per thread: another thread's frees on "
+          "it are ordered like any other stream's, the thread's own need nothing") {
+  // The handle is the same in every thread, the stream is not (detail/vm/stream_tag.hpp). Taken
+  // by handle, the main thread would reuse or recycle what a worker freed on its own stream
+  // with no wait at all while the worker's kernels may still read it.
+  const cudaStream_t per_thread = cudaStreamPerThread;
+  const auto on_a_worker = [](auto&& work) { std::thread{work}.join(); };
+
+  SECTION("a free range") {
+    sim_vm s{256 * MiB, handles_of(32 * MiB)};
+    void* p = nullptr;
+    on_a_worker([&] {
+      p = s.vm.allocate(32 * MiB, 256, per_thread);
+      s.vm.deallocate(p, 32 * MiB, 256, per_thread);
+      void* again = s.vm.allocate(32 * MiB, 256, per_thread);  // the worker's own: no wait
+      CHECK(again == p);
+      s.vm.deallocate(again, 32 * MiB, 256, per_thread);
+    });
+    CHECK(s.layer.calls.order_after_free == 0);
+    void* q = s.vm.allocate(32 * MiB, 256, per_thread);
+    CHECK(q == p);
+    CHECK(s.layer.calls.order_after_free == 1);  // after the worker's free, on the device
+    CHECK(s.layer.calls.wait_for_free == 0);
+    s.vm.deallocate(q, 32 * MiB, 256, per_thread);
+    void* r = s.vm.allocate(32 * MiB, 256, per_thread);  // the main thread's own now
+    CHECK(s.layer.calls.order_after_free == 1);
+    s.vm.deallocate(r, 32 * MiB, 256, per_thread);
+    CHECK(s.vm.release() == 32 * MiB);
+    CHECK(s.layer.violations == 0);
+  }
+  SECTION("recycled handles") {
+    sim_vm s{256 * MiB, handles_of(32 * MiB)};
+    std::vector<void*> blocks;
+    on_a_worker([&] { blocks = holes_on(s.vm, per_thread); });
+    const auto before = s.layer.calls;
+    void* big = s.vm.allocate(128 * MiB, 256, per_thread);
+    CHECK(s.vm.vm_stats().compactions == 1);
+    CHECK(s.layer.calls.wait_for_free == before.wait_for_free + 1);  // the worker's stream
+    CHECK_FALSE(s.layer.in_flight(addr(big)));
+    s.vm.deallocate(big, 128 * MiB, 256, per_thread);
+    on_a_worker([&] { free_odd_and_release(s, blocks, per_thread); });
+  }
+  SECTION("the thread's own recycled handles") {
+    sim_vm s{256 * MiB, handles_of(32 * MiB)};
+    std::vector<void*> blocks = holes_on(s.vm, per_thread);
+    const auto before = s.layer.calls;
+    void* big = s.vm.allocate(128 * MiB, 256, per_thread);
+    CHECK(s.vm.vm_stats().compactions == 1);
+    CHECK(s.layer.calls.wait_for_free == before.wait_for_free);  // stream order covers it
+    CHECK(s.layer.in_flight(addr(big)));
+    s.vm.deallocate(big, 128 * MiB, 256, per_thread);
+    free_odd_and_release(s, blocks, per_thread);
+  }
+}
+
+TEST_CASE("stream_tag: a thread's own tag for the per-thread stream, every other handle itself") {
+  using detail::cuda_stream;
+  using detail::stream_tag;
+  const cudaStream_t created = fake_stream(7);
+  CHECK(stream_tag(created) == created);
+  CHECK(stream_tag(cudaStreamLegacy) == cudaStreamLegacy);
+  const cudaStream_t mine = stream_tag(cudaStreamPerThread);
+  CHECK(mine != cudaStreamPerThread);
+  CHECK(stream_tag(cudaStreamPerThread) == mine);  // stable within the thread
+  CHECK(cuda_stream(mine) == cudaStreamPerThread);
+  CHECK(cuda_stream(created) == created);
+  cudaStream_t theirs = nullptr;
+  cudaStream_t theirs_as_they_see_it = nullptr;
+  std::thread{[&] {
+    theirs = stream_tag(cudaStreamPerThread);
+    theirs_as_they_see_it = cuda_stream(theirs);
+  }}.join();
+  CHECK(theirs != mine);
+  CHECK(theirs_as_they_see_it == cudaStreamPerThread);
+  CHECK(cuda_stream(theirs) == theirs);  // not this thread's: never given to CUDA from here
+  std::thread{[&] { CHECK(stream_tag(cudaStreamPerThread) != theirs); }}.join();  // not reused
+#if defined(CUDA_API_PER_THREAD_DEFAULT_STREAM)
+  CHECK(stream_tag(nullptr) == mine);  // handle 0 is the thread's own stream in such a build
+#else
+  CHECK(stream_tag(nullptr) == nullptr);  // the legacy default stream: one for all threads
+#endif
 }
 
 TEST_CASE("vm_resource: once the host has waited for a stream, its free ranges merge") {

@@ -22,7 +22,8 @@
 //   a pool over it.
 // - Ordering uses one event per stream (cudaEventDisableTiming), re-recorded at every free on
 //   that stream, as other stream-ordered pools do: waiting for it waits for that free and for
-//   anything submitted to the stream before the latest free (never less than needed).
+//   anything submitted to the stream before the latest free (never less than needed). Streams
+//   come as vm_resource's tags (stream_tag.hpp): a thread's per-thread stream has its own.
 // - Except on the legacy default stream (0, cudaStreamLegacy), where a free records nothing:
 //   the event is recorded when something needs it (another stream takes the range, or the host
 //   waits before recycling), and covers every free on it so far, and whatever the stream was
@@ -39,6 +40,7 @@
 #include <cudamem/detail/cuda/driver.hpp>
 #include <cudamem/detail/cuda/quiet_device_scope.hpp>
 #include <cudamem/detail/vm/mapping.hpp>
+#include <cudamem/detail/vm/stream_tag.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/stream.hpp>
@@ -242,7 +244,7 @@ class driver_vm_mapping final : public vm_mapping_layer, private stream_listener
   void order_after_free(cudaStream_t user, cudaStream_t freed_on) override {
     const cudaEvent_t ev = settled_event(freed_on);
     const device_guard on{device_};
-    check(cudaStreamWaitEvent(user, ev, 0), "vm_resource: cudaStreamWaitEvent");
+    check(cudaStreamWaitEvent(cuda_stream(user), ev, 0), "vm_resource: cudaStreamWaitEvent");
   }
 
   void wait_for_free(cudaStream_t freed_on) override {
@@ -303,15 +305,11 @@ class driver_vm_mapping final : public vm_mapping_layer, private stream_listener
     bool owed = false;
   };
 
-  /// The legacy default stream: it outlives every use of the layer (see above). Built with
-  /// `nvcc --default-stream per-thread`, handle 0 names the calling thread's own stream, which
-  /// a record made later on another thread would miss: only cudaStreamLegacy is lazy then.
+  /// The legacy default stream: it outlives every use of the layer (see above). A per-thread
+  /// stream (handle 0 too, built with `--default-stream per-thread`) comes as its thread's tag,
+  /// which a record made later on another thread could not name: never lazy.
   static bool records_lazily(cudaStream_t s) noexcept {
-#if defined(CUDA_API_PER_THREAD_DEFAULT_STREAM)
-    return s == cudaStreamLegacy;
-#else
     return s == nullptr || s == cudaStreamLegacy;
-#endif
   }
 
   /// This stream's event, created on first use. A flat list: a pool sees a handful of streams.
@@ -332,12 +330,13 @@ class driver_vm_mapping final : public vm_mapping_layer, private stream_listener
 
   /// Records the stream's event now. Called with events_mutex_ held.
   void record(stream_event& e) {
-    if (is_default_stream(e.stream)) {
+    const cudaStream_t stream = cuda_stream(e.stream);  // lazy records are never a thread's tag
+    if (is_default_stream(stream)) {
       // The legacy and per-thread streams are the *current* device's: make ours current.
       const device_guard on{device_};
-      check(cudaEventRecord(e.event, e.stream), "vm_resource: cudaEventRecord");
+      check(cudaEventRecord(e.event, stream), "vm_resource: cudaEventRecord");
     } else {
-      check(cudaEventRecord(e.event, e.stream), "vm_resource: cudaEventRecord");
+      check(cudaEventRecord(e.event, stream), "vm_resource: cudaEventRecord");
     }
   }
 

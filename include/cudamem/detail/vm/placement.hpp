@@ -45,16 +45,10 @@ struct vm_request {
 };
 
 /// The stream a request is ordered on, for recycling (compactor.hpp's make_room): none for
-/// the synchronous form, nor for handle 0 in a build with `nvcc --default-stream per-thread`
-/// (each thread's own stream there: frees another thread tagged 0 are not ordered before it).
-/// Otherwise the stream, the legacy default stream (0) included.
-[[nodiscard]] inline std::optional<cudaStream_t> ordered_on(cudaStream_t s, bool sync) noexcept {
-#if defined(CUDA_API_PER_THREAD_DEFAULT_STREAM)
-  if (s == nullptr) {
-    return std::nullopt;
-  }
-#endif
-  return sync ? std::nullopt : std::optional<cudaStream_t>{s};
+/// the synchronous form; otherwise the stream's tag (stream_tag.hpp: a per-thread stream's is
+/// its thread's), the legacy default stream (0) included.
+[[nodiscard]] inline std::optional<cudaStream_t> ordered_on(cudaStream_t tag, bool sync) noexcept {
+  return sync ? std::nullopt : std::optional<cudaStream_t>{tag};
 }
 
 /// A place found: the free range's address, and the block's span inside it.
