@@ -450,6 +450,12 @@ class Runner:
             return True
         return time.monotonic() - self.started < self.args.budget
 
+    def seconds_left(self):
+        """What is left of --budget, or None without one."""
+        if not self.args.budget:
+            return None
+        return max(1.0, self.args.budget - (time.monotonic() - self.started))
+
     def _sitecustomize(self):
         """A sitecustomize.py that installs cudamem in the Python subprocesses tests start."""
         directory = os.path.join(self.tmp, "site")
@@ -581,6 +587,13 @@ class Runner:
     def run_batch(self, label, tests, mode):
         """Runs tests in one subprocess; returns the ids it did not finish."""
         timeout = self.args.timeout if mode == "batch" else self.args.single_timeout
+        # The budget is a wall: a subprocess still running when it is spent is stopped, so
+        # that the report is written within it (a machine lent for a fixed time keeps nothing
+        # the runner had not written).
+        left = self.seconds_left()
+        cut_by_budget = left is not None and left < timeout
+        if cut_by_budget:
+            timeout = left
         began = time.monotonic()
         rc, records, log_path = self.spawn(label, tests=tests, timeout=timeout)
         ended = time.time()
@@ -625,6 +638,13 @@ class Runner:
                 batch["died_in"] = started_last
                 if started_at is not None:
                     batch["died_in_after_s"] = round(ended - started_at, 1)
+        if rc == "timeout" and cut_by_budget:
+            batch["reason"] = "stopped: --budget spent"
+            self.batches.append(batch)
+            for t in remaining:
+                self.results[t] = {"outcome": "not_run", "run": mode,
+                                   "message": "--budget spent (its subprocess was stopped)"}
+            return []
         self.batches.append(batch)
         if (mode == "batch" and rc == "timeout" and batch.get("died_in")
                 and batch.get("died_in_after_s", 0) >= self.args.single_timeout):
@@ -791,8 +811,9 @@ def parse_args(argv):
                              "rest as a new batch (resume); auto: single for at most 15 "
                              "left, else resume (default)")
     parser.add_argument("--budget", type=float, default=0,
-                        help="seconds for the whole run; no subprocess starts after it and "
-                             "the tests left are not_run (default 0: no limit)")
+                        help="seconds for the whole run; no subprocess starts after it, one "
+                             "still running then is stopped, and the tests left are not_run "
+                             "(default 0: no limit)")
     parser.add_argument("--test-file", default=DEFAULT_TEST_FILE,
                         help="the unittest file (default: test_cuda.py beside this script; "
                              "test_cuda_multigpu.py works too)")
