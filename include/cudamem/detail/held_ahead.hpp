@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <mutex>
+#include <new>
 #include <vector>
 
 namespace cudamem::detail {
@@ -86,11 +87,14 @@ class no_give_back_scope {
 /// The process-wide list of holders; see the contract.
 class held_ahead_registry {
  public:
-  /// Constructed at its first use, with nothing to allocate (a noexcept give-back may be the
-  /// first); every holder adds itself first, so it outlives them all.
+  /// Constructed at its first use, in static storage, and never destroyed, so that it outlives
+  /// every holder: also those that live to the end of the process (libcudamem_c's stacks are
+  /// never destroyed), which a program's last frees and allocations reach while static
+  /// destruction runs. Allocates nothing (a noexcept give-back may be the first use).
   static held_ahead_registry& instance() noexcept {
-    static held_ahead_registry registry;
-    return registry;
+    alignas(held_ahead_registry) static unsigned char storage[sizeof(held_ahead_registry)];
+    static held_ahead_registry* const registry = ::new (storage) held_ahead_registry;
+    return *registry;
   }
 
   void add(held_ahead_holder* holder, memory_domain domain) {

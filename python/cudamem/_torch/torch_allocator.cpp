@@ -160,12 +160,16 @@ class relaxed_capture_mode {
 };
 
 /// A stream of the allocator's own on `device` (made once, kept for the process): where a graph
-/// pool's chunk is asked for while the requesting stream is captured.
+/// pool's chunk is asked for while the requesting stream is captured. Its table is never
+/// destroyed, as the allocator is not: graphs torn down at exit still reach it.
 cudaStream_t chunk_stream(DeviceIndex device) {
-  static std::mutex mutex;
-  static std::map<DeviceIndex, cudaStream_t> streams;
-  const std::lock_guard lock(mutex);
-  cudaStream_t& s = streams[device];
+  struct stream_table {
+    std::mutex mutex;
+    std::map<DeviceIndex, cudaStream_t> streams;
+  };
+  static auto* const table = new stream_table;
+  const std::lock_guard lock(table->mutex);
+  cudaStream_t& s = table->streams[device];
   if (s == nullptr) {
     const c10::cuda::CUDAGuard on{device};
     C10_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
