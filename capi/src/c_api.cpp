@@ -35,7 +35,32 @@ using cudamem::capi::allocator;
 
 // --- errors --------------------------------------------------------------------------------------
 
-thread_local std::string last_error;  // cudamem_last_error()'s text
+/// cudamem_last_error()'s text, one per thread, reached only through error_text(). A framework
+/// may call in after the thread's thread_local objects are destroyed: the main thread runs them
+/// at exit before the static destructors that free a framework's last memory (PyTorch's). A
+/// destroyed std::string written to, even by clear(), writes into freed heap memory, and malloc
+/// aborts later ("unsorted double linked list corrupted"). So the holder marks itself dead in a
+/// flag that has no destructor, and after that the thread keeps no text.
+enum class text_state : unsigned char { unborn, alive, dead };
+thread_local text_state error_text_state = text_state::unborn;  // trivial: valid to the end
+
+struct error_text_holder {
+  std::string text;
+  ~error_text_holder() { error_text_state = text_state::dead; }
+};
+thread_local error_text_holder error_text_storage;  // touched only by error_text()
+
+/// This thread's text, or nullptr once its thread_local objects are gone.
+std::string* error_text() noexcept {
+  if (error_text_state == text_state::dead) {
+    return nullptr;
+  }
+  error_text_state = text_state::alive;
+  return &error_text_storage.text;  // the first touch constructs it
+}
+
+/// What cudamem_last_error() says on a thread whose text is gone.
+constexpr const char* no_error_text = "cudamem: no message (the calling thread is ending)";
 
 /// Problems cudamem reports through its error handler during one call on this thread (a bad
 /// free: the resources' deallocate is noexcept and reports instead of throwing).
@@ -64,10 +89,12 @@ struct problem_capture {
 };
 
 cudamem_status fail(cudamem_status status, const char* message) noexcept {
-  try {
-    last_error = message;
-  } catch (...) {
-    last_error.clear();
+  if (std::string* text = error_text()) {
+    try {
+      *text = message;
+    } catch (...) {
+      text->clear();
+    }
   }
   return status;
 }
@@ -78,7 +105,9 @@ template <class F>
 cudamem_status guarded(F&& f) noexcept {
   try {
     f();
-    last_error.clear();
+    if (error_text_state == text_state::alive) {  // unborn: no text yet; dead: none to keep
+      error_text_storage.text.clear();
+    }
     return CUDAMEM_OK;
   } catch (const cudamem::out_of_memory& e) {
     return fail(CUDAMEM_ERROR_OUT_OF_MEMORY, e.what());
@@ -271,7 +300,10 @@ extern "C" {
 
 CUDAMEM_C_API const char* cudamem_version(void) { return CUDAMEM_VERSION_STRING; }
 
-CUDAMEM_C_API const char* cudamem_last_error(void) { return last_error.c_str(); }
+CUDAMEM_C_API const char* cudamem_last_error(void) {
+  const std::string* text = error_text();
+  return text != nullptr ? text->c_str() : no_error_text;
+}
 
 CUDAMEM_C_API cudamem_status cudamem_allocator_create(const char* config, int* out_id) {
   return guarded([&] {

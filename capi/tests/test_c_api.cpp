@@ -518,3 +518,47 @@ TEST_CASE("c api: the IPC entry points refuse bad input before touching a device
   CHECK_THAT(last(), Catch::Contains("no memory of another process is mapped there"));
   CHECK(cudamem_ipc_add_peer(&x, 1) == CUDAMEM_ERROR_INVALID_ARGUMENT);
 }
+
+TEST_CASE("c api: a call made after the thread's thread_local objects are gone keeps no text "
+          "and writes into none of them") {
+  // A framework may free memory through the C API from destructors that run after the
+  // calling thread's thread_local objects are destroyed: the main thread runs those at exit
+  // before the static destructors. Here a worker's own thread_local, constructed before the
+  // library's error text and so destroyed after it, calls in from its destructor: a failing
+  // call and a succeeding one. Before the fix both wrote into the destroyed string (a
+  // heap-use-after-free under AddressSanitizer; in a PyTorch process, malloc aborting at exit).
+  const int id = make("simulate_bytes=256MiB");
+  const destroyer cleanup{id};
+  struct seen_at_exit {
+    cudamem_status failed = CUDAMEM_OK;
+    cudamem_status succeeded = CUDAMEM_ERROR_INTERNAL;
+    std::string text;
+  } seen;
+  struct calls_at_thread_exit {
+    int id;
+    seen_at_exit* out;
+    ~calls_at_thread_exit() {
+      int unused = -1;
+      out->failed = cudamem_allocator_create("no_such_key=1", &unused);
+      cudamem_stats s{};
+      s.struct_size = sizeof(s);
+      out->succeeded = cudamem_get_stats(id, 0, &s);
+      out->text = cudamem_last_error();
+    }
+  };
+  cudamem_status failed_while_alive = CUDAMEM_OK;
+  std::string text_while_alive;
+  std::thread worker{[&] {  // no assertions here: Catch records them on the test's thread
+    thread_local calls_at_thread_exit probe{id, &seen};  // before the library's text
+    static_cast<void>(probe);
+    int unused = -1;
+    failed_while_alive = cudamem_allocator_create("no_such_key=1", &unused);
+    text_while_alive = cudamem_last_error();  // long enough to live on the heap
+  }};
+  worker.join();
+  CHECK(failed_while_alive == CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(text_while_alive.find("no_such_key") != std::string::npos);
+  CHECK(seen.failed == CUDAMEM_ERROR_INVALID_ARGUMENT);  // the status still says why
+  CHECK(seen.succeeded == CUDAMEM_OK);
+  CHECK(seen.text == "cudamem: no message (the calling thread is ending)");
+}
