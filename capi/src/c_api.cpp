@@ -35,7 +35,8 @@ using cudamem::capi::allocator;
 
 // --- errors --------------------------------------------------------------------------------------
 
-/// cudamem_last_error()'s text, one per thread, reached only through error_text(). A framework
+/// cudamem_last_error()'s text, one per thread, reached through error_text() (and cleared by
+/// guarded() only once alive, so a thread that never failed never constructs it). A framework
 /// may call in after the thread's thread_local objects are destroyed: the main thread runs them
 /// at exit before the static destructors that free a framework's last memory (PyTorch's). A
 /// destroyed std::string written to, even by clear(), writes into freed heap memory, and malloc
@@ -48,7 +49,7 @@ struct error_text_holder {
   std::string text;
   ~error_text_holder() { error_text_state = text_state::dead; }
 };
-thread_local error_text_holder error_text_storage;  // touched only by error_text()
+thread_local error_text_holder error_text_storage;  // touched only while not dead
 
 /// This thread's text, or nullptr once its thread_local objects are gone.
 std::string* error_text() noexcept {
