@@ -1086,8 +1086,8 @@ void* cudamem_torch_allocator::malloc(DeviceIndex device, std::size_t n, cudaStr
           device_figures& f = d.figures;
           f.on_allocate(block_size, n);
           live_.emplace(p, block{p, block_size, n, device, stream, id, std::move(context)});
-          record_trace(cda::TraceEntry::ALLOC, device, reinterpret_cast<std::uintptr_t>(p),
-                       block_size, stream, id, live_.at(p).context);
+          record_trace(cda::TraceEntry::ALLOC, device, reinterpret_cast<std::uintptr_t>(p), n,
+                       stream, id, live_.at(p).context);
           return p;
         }
       }
@@ -1101,8 +1101,8 @@ void* cudamem_torch_allocator::malloc(DeviceIndex device, std::size_t n, cudaStr
   d.figures.on_allocate(block_size, n);
   block& b = live_.emplace(p, block{p, block_size, n, device, stream, pool, std::move(context)})
                  .first->second;
-  record_trace(cda::TraceEntry::ALLOC, device, reinterpret_cast<std::uintptr_t>(p), block_size,
-               stream, pool, b.context);
+  record_trace(cda::TraceEntry::ALLOC, device, reinterpret_cast<std::uintptr_t>(p), n, stream,
+               pool, b.context);
   const std::size_t allocated = static_cast<std::size_t>(d.figures.allocated_bytes[0].current);
   const std::size_t reserved = d.last_reserved;
   lock.unlock();
@@ -1222,7 +1222,7 @@ void cudamem_torch_allocator::free(void* ptr) {
   device_state& d = devices_[b.device];
   d.figures.on_free_requested(b.size);
   record_trace(cda::TraceEntry::FREE_REQUESTED, b.device, reinterpret_cast<std::uintptr_t>(ptr),
-               b.size, b.stream, b.pool, context ? context : b.context);
+               b.requested, b.stream, b.pool, context ? context : b.context);
   if (const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace()) {
     (*interp)->trace_gpu_memory_deallocation(c10::DeviceType::CUDA,
                                              reinterpret_cast<std::uintptr_t>(ptr));
@@ -1248,6 +1248,9 @@ void cudamem_torch_allocator::free(void* ptr) {
   }
   block done = std::move(b);
   live_.erase(it);
+  if (context) {
+    done.context = std::move(context);  // completed now: the free's stack, as PyTorch records
+  }
   complete_free(lock, std::move(done));
 }
 
@@ -1255,7 +1258,8 @@ void cudamem_torch_allocator::free(void* ptr) {
 void cudamem_torch_allocator::complete_free(std::unique_lock<std::mutex>& lock, block b) {
   devices_[b.device].figures.on_free_completed(b.size, b.requested);
   record_trace(cda::TraceEntry::FREE_COMPLETED, b.device,
-               reinterpret_cast<std::uintptr_t>(b.address), b.size, b.stream, b.pool, b.context);
+               reinterpret_cast<std::uintptr_t>(b.address), b.requested, b.stream, b.pool,
+               b.context);
   for (const int fd : b.exported_fds) {
     ::close(fd);  // every receiver has let go (PyTorch counts them before it frees)
   }
