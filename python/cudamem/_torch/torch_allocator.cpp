@@ -14,7 +14,8 @@
 // What each part of PyTorch's interface means here
 // - Memory: every block comes from libcudamem_c's allocator 0 (the same per-device stacks as
 //   cudamem.torch.stats() and CuPy), in stream order on the stream PyTorch names. Requests are
-//   rounded up to 512 bytes, as PyTorch rounds, so that tensor sizes add up as users expect.
+//   rounded as PyTorch rounds (512 bytes; roundup_power2_divisions when set), so that tensor
+//   sizes add up as users expect.
 // - Statistics (stats.hpp): allocation/active/requested counted here; reserved is what cudamem
 //   holds from the device (its mapped memory), with its peak; segments are graph-pool chunks.
 // - Graph pools and MemPools (graph_pool.hpp): chunks from cudamem, kept for the pool's owner.
@@ -38,6 +39,7 @@
 // but for graph pools' chunk growth). Exceptions are c10's (TORCH_CHECK): PyTorch's callers
 // expect them. A destructor's path (releasePool, setUseOnOOM) never throws.
 #include <c10/core/Allocator.h>
+#include <c10/core/AllocatorConfig.h>
 #include <c10/core/impl/GPUTrace.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
@@ -1011,7 +1013,10 @@ void* cudamem_torch_allocator::malloc(DeviceIndex device, std::size_t n, cudaStr
   if (n == 0) {
     return nullptr;
   }
-  const std::size_t size = cudamem::torch_bridge::rounded_block_size(n);
+  // PyTorch's roundup_power2_divisions setting (PYTORCH_CUDA_ALLOC_CONF), as its allocator
+  // applies it: without it, a multiple of 512 bytes.
+  const std::size_t size = cudamem::torch_bridge::rounded_block_size(
+      n, c10::CachingAllocator::AcceleratorAllocatorConfig::roundup_power2_divisions(n));
   std::shared_ptr<c10::GatheredContext> context = maybe_gather(cda::RecordContext::STATE);
   const bool watch_segments = recording();
   std::vector<std::vector<span>> segments_before =
