@@ -647,17 +647,26 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
     annotations_.push(std::move(e));
   }
   void pushCompileContext(std::string& md) override {
-    if (record_history_) {
-      compile_contexts().push_back(md);
+    thread_annotations* mine = annotations_of_this_thread();
+    if (record_history_ && mine != nullptr) {
+      mine->compile_contexts.push_back(md);
     }
   }
   void popCompileContext() override {
-    if (!compile_contexts().empty()) {
-      compile_contexts().pop_back();
+    thread_annotations* mine = annotations_of_this_thread();
+    if (mine != nullptr && !mine->compile_contexts.empty()) {
+      mine->compile_contexts.pop_back();
     }
   }
-  void setUserMetadata(const std::string& metadata) override { user_metadata() = metadata; }
-  std::string getUserMetadata() override { return user_metadata(); }
+  void setUserMetadata(const std::string& metadata) override {
+    if (thread_annotations* mine = annotations_of_this_thread()) {
+      mine->user_metadata = metadata;
+    }
+  }
+  std::string getUserMetadata() override {
+    const thread_annotations* mine = annotations_of_this_thread();
+    return mine != nullptr ? mine->user_metadata : std::string{};
+  }
 
   void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
     const std::lock_guard lock(mutex_);
@@ -931,10 +940,12 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
     }
     const bool keep_stack = static_cast<int>(record_context_.load()) >=
                             static_cast<int>(cda::RecordContext::ALLOC);
-    const std::vector<std::string>& compile = compile_contexts();
+    const thread_annotations* mine = annotations_of_this_thread();
+    const bool compiling = mine != nullptr && !mine->compile_contexts.empty();
     cda::TraceEntry te(action, device, addr, size, stream, pool, c10::getApproximateTime(),
                        keep_stack ? std::move(context) : nullptr,
-                       compile.empty() ? "N/A" : compile.back(), user_metadata());
+                       compiling ? mine->compile_contexts.back() : "N/A",
+                       mine != nullptr ? mine->user_metadata : std::string{});
     for (const auto& tracker : trackers_) {
       tracker(te);
     }
@@ -964,13 +975,24 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
     }
   }
 
-  static std::vector<std::string>& compile_contexts() {
-    thread_local std::vector<std::string> stack;
-    return stack;
-  }
-  static std::string& user_metadata() {
-    thread_local std::string text;
-    return text;
+  /// This thread's compile contexts and user metadata (PyTorch keeps them per thread), or
+  /// nullptr once the thread's thread_local objects are destroyed: frees from static
+  /// destructors at exit still reach record_trace on the main thread, after them.
+  struct thread_annotations {
+    std::vector<std::string> compile_contexts;
+    std::string user_metadata;
+    ~thread_annotations() { gone() = true; }
+    static bool& gone() {
+      thread_local bool flag = false;  // no destructor: valid to the thread's very end
+      return flag;
+    }
+  };
+  static thread_annotations* annotations_of_this_thread() {
+    if (thread_annotations::gone()) {
+      return nullptr;
+    }
+    thread_local thread_annotations mine;
+    return &mine;
   }
 
   // --- state --------------------------------------------------------------------------------
