@@ -201,6 +201,43 @@ TEST_CASE("snapshot layout: a graph pool's used range cut into the blocks side b
   CHECK(short_range[0].bytes == 0x200);
 }
 
+TEST_CASE("statistics: roundup_power2_divisions rounds as PyTorch's allocator does") {
+  // PyTorch's own test (test_allocator_settings) computes the expected size this way: from
+  // half the next power of two, steps of a `divisions`-th of that half until the size is
+  // reached.
+  const auto by_steps = [](std::size_t size, std::size_t divisions) {
+    std::size_t pow2 = 1;
+    while (pow2 < size) {
+      pow2 *= 2;
+    }
+    if (pow2 == size) {
+      return pow2;
+    }
+    const std::size_t step = pow2 / 2 / divisions;
+    std::size_t at = pow2 / 2;
+    while (at < size) {
+      at += step;
+    }
+    return at;
+  };
+  CHECK(rounded_block_size(84 * MiB, 4) == 96 * MiB);  // the test's 21 Mi floats
+  CHECK(rounded_block_size(84 * MiB, 1) == 84 * MiB);  // 1 or 0: no divisions
+  CHECK(rounded_block_size(84 * MiB, 0) == 84 * MiB);
+  CHECK(rounded_block_size(64 * MiB, 8) == 64 * MiB);  // a power of two stays
+  CHECK(rounded_block_size(1200, 4) == 1536);          // too small for 4 steps of 512: plain
+  CHECK(rounded_block_size(3000, 4) == 3072);          // [2048, 4096) in steps of 512
+  CHECK(rounded_block_size(1000, 16) == 1024);
+  for (const std::size_t divisions : {2U, 4U, 8U, 16U}) {
+    for (std::size_t size = 512 * divisions + 1; size < 64 * MiB; size = size * 5 / 3 + 777) {
+      CAPTURE(divisions, size);
+      const std::size_t rounded = rounded_block_size(size, divisions);
+      CHECK(rounded == rounded_block_size(by_steps(size, divisions)));
+      CHECK(rounded >= size);
+      CHECK(rounded % 512 == 0);
+    }
+  }
+}
+
 TEST_CASE("statistics: PyTorch's rounding, pools, and the two kinds of free") {
   CHECK(rounded_block_size(1) == 512);
   CHECK(rounded_block_size(1024) == 1024);

@@ -43,6 +43,28 @@ inline constexpr std::size_t block_rounding = 512;
                                 : (bytes + block_rounding - 1) / block_rounding * block_rounding;
 }
 
+/// The same under PyTorch's `roundup_power2_divisions` setting, `divisions` being what it says
+/// for this size (0 or 1: none). The interval between the powers of two around `bytes` is cut
+/// into `divisions` equal steps, and the request goes up to the next step: 84 MiB with 4
+/// divisions of [64, 128) MiB becomes 96 MiB. A power of two stays as it is. Sizes too small
+/// for a step of a whole 512 bytes keep the plain rounding, as PyTorch's allocator does.
+[[nodiscard]] constexpr std::size_t rounded_block_size(std::size_t bytes,
+                                                       std::size_t divisions) noexcept {
+  if (divisions <= 1 || bytes <= block_rounding * divisions) {
+    return rounded_block_size(bytes);
+  }
+  std::size_t below = 1;  // the largest power of two not above `bytes`
+  while (below <= bytes / 2) {
+    below *= 2;
+  }
+  if (below == bytes) {
+    return bytes;
+  }
+  const std::size_t step = below / divisions;
+  const std::size_t steps = (bytes - below + step - 1) / step;
+  return rounded_block_size(below + steps * step);
+}
+
 /// One counter as PyTorch keeps it.
 struct stat {
   std::int64_t current = 0;

@@ -14,7 +14,8 @@
 // What each part of PyTorch's interface means here
 // - Memory: every block comes from libcudamem_c's allocator 0 (the same per-device stacks as
 //   cudamem.torch.stats() and CuPy), in stream order on the stream PyTorch names. Requests are
-//   rounded up to 512 bytes, as PyTorch rounds, so that tensor sizes add up as users expect.
+//   rounded as PyTorch rounds (512 bytes; roundup_power2_divisions when set), so that tensor
+//   sizes add up as users expect.
 // - Statistics (stats.hpp): allocation/active/requested counted here; reserved is what cudamem
 //   holds from the device (its mapped memory), with its peak; segments are graph-pool chunks.
 // - Graph pools and MemPools (graph_pool.hpp): chunks from cudamem, kept for the pool's owner.
@@ -38,6 +39,7 @@
 // but for graph pools' chunk growth). Exceptions are c10's (TORCH_CHECK): PyTorch's callers
 // expect them. A destructor's path (releasePool, setUseOnOOM) never throws.
 #include <c10/core/Allocator.h>
+#include <c10/core/AllocatorConfig.h>
 #include <c10/core/impl/GPUTrace.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
@@ -645,17 +647,26 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
     annotations_.push(std::move(e));
   }
   void pushCompileContext(std::string& md) override {
-    if (record_history_) {
-      compile_contexts().push_back(md);
+    thread_annotations* mine = annotations_of_this_thread();
+    if (record_history_ && mine != nullptr) {
+      mine->compile_contexts.push_back(md);
     }
   }
   void popCompileContext() override {
-    if (!compile_contexts().empty()) {
-      compile_contexts().pop_back();
+    thread_annotations* mine = annotations_of_this_thread();
+    if (mine != nullptr && !mine->compile_contexts.empty()) {
+      mine->compile_contexts.pop_back();
     }
   }
-  void setUserMetadata(const std::string& metadata) override { user_metadata() = metadata; }
-  std::string getUserMetadata() override { return user_metadata(); }
+  void setUserMetadata(const std::string& metadata) override {
+    if (thread_annotations* mine = annotations_of_this_thread()) {
+      mine->user_metadata = metadata;
+    }
+  }
+  std::string getUserMetadata() override {
+    const thread_annotations* mine = annotations_of_this_thread();
+    return mine != nullptr ? mine->user_metadata : std::string{};
+  }
 
   void attachOutOfMemoryObserver(cca::OutOfMemoryObserver observer) override {
     const std::lock_guard lock(mutex_);
@@ -929,10 +940,12 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
     }
     const bool keep_stack = static_cast<int>(record_context_.load()) >=
                             static_cast<int>(cda::RecordContext::ALLOC);
-    const std::vector<std::string>& compile = compile_contexts();
+    const thread_annotations* mine = annotations_of_this_thread();
+    const bool compiling = mine != nullptr && !mine->compile_contexts.empty();
     cda::TraceEntry te(action, device, addr, size, stream, pool, c10::getApproximateTime(),
                        keep_stack ? std::move(context) : nullptr,
-                       compile.empty() ? "N/A" : compile.back(), user_metadata());
+                       compiling ? mine->compile_contexts.back() : "N/A",
+                       mine != nullptr ? mine->user_metadata : std::string{});
     for (const auto& tracker : trackers_) {
       tracker(te);
     }
@@ -962,13 +975,24 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
     }
   }
 
-  static std::vector<std::string>& compile_contexts() {
-    thread_local std::vector<std::string> stack;
-    return stack;
-  }
-  static std::string& user_metadata() {
-    thread_local std::string text;
-    return text;
+  /// This thread's compile contexts and user metadata (PyTorch keeps them per thread), or
+  /// nullptr once the thread's thread_local objects are destroyed: frees from static
+  /// destructors at exit still reach record_trace on the main thread, after them.
+  struct thread_annotations {
+    std::vector<std::string> compile_contexts;
+    std::string user_metadata;
+    ~thread_annotations() { gone() = true; }
+    static bool& gone() {
+      thread_local bool flag = false;  // no destructor: valid to the thread's very end
+      return flag;
+    }
+  };
+  static thread_annotations* annotations_of_this_thread() {
+    if (thread_annotations::gone()) {
+      return nullptr;
+    }
+    thread_local thread_annotations mine;
+    return &mine;
   }
 
   // --- state --------------------------------------------------------------------------------
@@ -1011,7 +1035,10 @@ void* cudamem_torch_allocator::malloc(DeviceIndex device, std::size_t n, cudaStr
   if (n == 0) {
     return nullptr;
   }
-  const std::size_t size = cudamem::torch_bridge::rounded_block_size(n);
+  // PyTorch's roundup_power2_divisions setting (PYTORCH_CUDA_ALLOC_CONF), as its allocator
+  // applies it: without it, a multiple of 512 bytes.
+  const std::size_t size = cudamem::torch_bridge::rounded_block_size(
+      n, c10::CachingAllocator::AcceleratorAllocatorConfig::roundup_power2_divisions(n));
   std::shared_ptr<c10::GatheredContext> context = maybe_gather(cda::RecordContext::STATE);
   const bool watch_segments = recording();
   std::vector<std::vector<span>> segments_before =
@@ -1086,8 +1113,8 @@ void* cudamem_torch_allocator::malloc(DeviceIndex device, std::size_t n, cudaStr
           device_figures& f = d.figures;
           f.on_allocate(block_size, n);
           live_.emplace(p, block{p, block_size, n, device, stream, id, std::move(context)});
-          record_trace(cda::TraceEntry::ALLOC, device, reinterpret_cast<std::uintptr_t>(p),
-                       block_size, stream, id, live_.at(p).context);
+          record_trace(cda::TraceEntry::ALLOC, device, reinterpret_cast<std::uintptr_t>(p), n,
+                       stream, id, live_.at(p).context);
           return p;
         }
       }
@@ -1101,8 +1128,8 @@ void* cudamem_torch_allocator::malloc(DeviceIndex device, std::size_t n, cudaStr
   d.figures.on_allocate(block_size, n);
   block& b = live_.emplace(p, block{p, block_size, n, device, stream, pool, std::move(context)})
                  .first->second;
-  record_trace(cda::TraceEntry::ALLOC, device, reinterpret_cast<std::uintptr_t>(p), block_size,
-               stream, pool, b.context);
+  record_trace(cda::TraceEntry::ALLOC, device, reinterpret_cast<std::uintptr_t>(p), n, stream,
+               pool, b.context);
   const std::size_t allocated = static_cast<std::size_t>(d.figures.allocated_bytes[0].current);
   const std::size_t reserved = d.last_reserved;
   lock.unlock();
@@ -1222,7 +1249,7 @@ void cudamem_torch_allocator::free(void* ptr) {
   device_state& d = devices_[b.device];
   d.figures.on_free_requested(b.size);
   record_trace(cda::TraceEntry::FREE_REQUESTED, b.device, reinterpret_cast<std::uintptr_t>(ptr),
-               b.size, b.stream, b.pool, context ? context : b.context);
+               b.requested, b.stream, b.pool, context ? context : b.context);
   if (const c10::impl::PyInterpreter* interp = c10::impl::GPUTrace::get_trace()) {
     (*interp)->trace_gpu_memory_deallocation(c10::DeviceType::CUDA,
                                              reinterpret_cast<std::uintptr_t>(ptr));
@@ -1248,6 +1275,9 @@ void cudamem_torch_allocator::free(void* ptr) {
   }
   block done = std::move(b);
   live_.erase(it);
+  if (context) {
+    done.context = std::move(context);  // completed now: the free's stack, as PyTorch records
+  }
   complete_free(lock, std::move(done));
 }
 
@@ -1255,7 +1285,8 @@ void cudamem_torch_allocator::free(void* ptr) {
 void cudamem_torch_allocator::complete_free(std::unique_lock<std::mutex>& lock, block b) {
   devices_[b.device].figures.on_free_completed(b.size, b.requested);
   record_trace(cda::TraceEntry::FREE_COMPLETED, b.device,
-               reinterpret_cast<std::uintptr_t>(b.address), b.size, b.stream, b.pool, b.context);
+               reinterpret_cast<std::uintptr_t>(b.address), b.requested, b.stream, b.pool,
+               b.context);
   for (const int fd : b.exported_fds) {
     ::close(fd);  // every receiver has let go (PyTorch counts them before it frees)
   }
