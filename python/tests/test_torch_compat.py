@@ -356,6 +356,60 @@ def test_memory_fraction(allocator):
 
 
 @pytest.mark.parametrize("allocator", ALLOCATORS)
+def test_memory_fraction_counts_mempools(allocator):
+    # PyTorch's own scenario (TestMemPool.test_mempool_limited_memory_with_allocator): what
+    # MemPools hold counts against the fraction, and a pool marked use_on_oom lends its free
+    # blocks when the fraction refuses a request.
+    v = run("""
+        mib = 1 << 20
+        torch.cuda.empty_cache()
+        total = torch.cuda.mem_get_info()[1]
+        allowed = 80 * mib + torch.cuda.memory_reserved()
+        torch.cuda.set_per_process_memory_fraction(allowed / total)
+        kept = torch.cuda.MemPool()
+        lends = torch.cuda.MemPool(use_on_oom=True)
+        with torch.cuda.use_mem_pool(kept):
+            a = torch.empty(40 * mib, dtype=torch.uint8, device="cuda")
+        with torch.cuda.use_mem_pool(lends):
+            b = torch.empty(40 * mib, dtype=torch.uint8, device="cuda")
+        b_at = b.data_ptr()
+        def refused(n):
+            try:
+                torch.empty(n, dtype=torch.uint8, device="cuda")
+                return False
+            except torch.OutOfMemoryError as e:
+                if CUDAMEM:
+                    print("why", "set_per_process_memory_fraction(" in str(e))
+                return True
+        print("pools_count", refused(40 * mib))
+        del a, b
+        c = torch.empty(30 * mib, dtype=torch.uint8, device="cuda")
+        print("lent", c.data_ptr() == b_at)
+        print("kept_not_lent", refused(30 * mib))
+        del c
+        with torch.cuda.use_mem_pool(lends):
+            e = torch.empty(20 * mib, dtype=torch.uint8, device="cuda")
+        print("pool_reused", e.data_ptr() == b_at)
+        with torch.cuda.use_mem_pool(kept):
+            try:
+                torch.empty(60 * mib, dtype=torch.uint8, device="cuda")
+                print("pool_chunk_refused False")
+            except torch.OutOfMemoryError:
+                print("pool_chunk_refused True")
+        del e, kept, lends
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        x = torch.empty(100 * mib, dtype=torch.uint8, device="cuda")
+        print("unlimited", x.numel() == 100 * mib)
+    """, allocator, exclusive=True)
+    for name in ("pools_count", "lent", "kept_not_lent", "pool_reused", "pool_chunk_refused",
+                 "unlimited"):
+        assert v[name] == "True", (name, v)
+    if allocator == "cudamem":
+        assert v["why"] == "True"
+
+
+@pytest.mark.parametrize("allocator", ALLOCATORS)
 def test_caching_allocator_alloc_profiler_and_empty_cache(allocator):
     v = run("""
         base = torch.cuda.memory_allocated()

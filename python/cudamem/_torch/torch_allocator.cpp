@@ -246,6 +246,32 @@ class no_chunks final : public cudamem::torch_bridge::chunk_source {
   void deallocate_chunk(void*, std::size_t, void*) noexcept override {}
 };
 
+/// A pool's chunk source under the memory fraction. PyTorch counts a MemPool's segments (its
+/// own allocator's included) against the fraction, so a chunk that would pass it is refused
+/// here, before the pool's allocator is asked.
+class chunks_within_fraction final : public cudamem::torch_bridge::chunk_source {
+ public:
+  chunks_within_fraction(chunk_source& source, std::optional<std::size_t> room)
+      : source_(source), room_(room) {}
+  void* allocate_chunk(std::size_t bytes, void* stream) override {
+    if (room_ && bytes > *room_) {
+      refused_ = true;
+      return nullptr;
+    }
+    return source_.allocate_chunk(bytes, stream);
+  }
+  void deallocate_chunk(void* p, std::size_t bytes, void* stream) noexcept override {
+    source_.deallocate_chunk(p, bytes, stream);
+  }
+  /// True if the last chunk asked for was refused by the fraction.
+  [[nodiscard]] bool refused() const noexcept { return refused_; }
+
+ private:
+  chunk_source& source_;
+  std::optional<std::size_t> room_;
+  bool refused_ = false;
+};
+
 class cudamem_torch_allocator final : public cca::CUDAAllocator {
  public:
   explicit cudamem_torch_allocator(std::string resource) : resource_(std::move(resource)) {}
@@ -796,6 +822,41 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
   // --- allocation ----------------------------------------------------------------------------
 
   void* malloc(DeviceIndex device, std::size_t n, cudaStream_t stream);
+  /// What counts against the memory fraction on `device`, with the lock held. PyTorch counts
+  /// its segments. Here: the default pool's live blocks (cudamem's own cache is given back
+  /// when they need it, so it is not counted), and every MemPool's and graph pool's chunks,
+  /// which only that pool can use.
+  [[nodiscard]] std::size_t held_under_fraction(DeviceIndex device) const {
+    std::size_t in_pools = 0;
+    std::size_t pools_reserve = 0;
+    for (const auto& [id, ps] : pools_) {
+      if (ps.device == device) {
+        in_pools += ps.pool.used_bytes();
+        pools_reserve += ps.pool.reserved_bytes();
+      }
+    }
+    // Active bytes, not allocated: a block freed but still used by a stream is still held.
+    const auto active = static_cast<std::size_t>(devices_[device].figures.active_bytes[0].current);
+    return (active > in_pools ? active - in_pools : 0) + pools_reserve;
+  }
+  /// The bytes the fraction still allows on `device`; nullopt when no fraction is set.
+  [[nodiscard]] std::optional<std::size_t> room_under_fraction(DeviceIndex device) const {
+    const std::optional<std::size_t> allowed = devices_[device].allowed;
+    if (!allowed) {
+      return std::nullopt;
+    }
+    const std::size_t held = held_under_fraction(device);
+    return held < *allowed ? *allowed - held : 0;
+  }
+  [[nodiscard]] std::string fraction_cause(DeviceIndex device, std::size_t bytes) const {
+    const device_state& d = devices_[device];
+    return "the memory fraction set by torch.cuda.set_per_process_memory_fraction(" +
+           fraction_text(d.fraction) + ") allows " + size_text(d.allowed.value_or(0)) +
+           " on this device; PyTorch's tensors and memory pools hold " +
+           size_text(held_under_fraction(device)) + " of it, and " + size_text(bytes) +
+           " more would pass it. Verdict: memory fraction. Raise the fraction, or free tensors "
+           "(and memory pools) you no longer need.";
+  }
   [[noreturn]] void out_of_memory(DeviceIndex device, std::size_t size, cudaStream_t stream,
                                   MempoolId_t pool, std::string cause,
                                   const std::shared_ptr<c10::GatheredContext>& context);
@@ -1050,25 +1111,15 @@ void* cudamem_torch_allocator::malloc(DeviceIndex device, std::size_t n, cudaStr
     finish_pending_frees(lock, /*wait=*/false);
   }
   device_state& d = devices_[device];
-  if (d.allowed && static_cast<std::size_t>(d.figures.allocated_bytes[0].current) + size >
-                       *d.allowed) {
-    const std::string cause =
-        "the memory fraction set by torch.cuda.set_per_process_memory_fraction(" +
-        fraction_text(d.fraction) + ") allows " + size_text(*d.allowed) +
-        " on this device, and PyTorch's tensors hold " +
-        size_text(
-            static_cast<std::size_t>(d.figures.allocated_bytes[0].current)) +
-        " of it. Verdict: memory fraction. Raise the fraction, or free tensors you no longer "
-        "need.";
-    lock.unlock();
-    out_of_memory(device, size, stream, default_pool, cause, context);
-  }
   const MempoolId_t pool = captures_.empty() ? default_pool : route(device, stream);
   void* p = nullptr;
   std::size_t block_size = size;
   std::string cause;
   for (int attempt = 0;; ++attempt) {
-    if (pool == default_pool) {
+    const std::optional<std::size_t> room = room_under_fraction(device);
+    if (pool == default_pool && room && size > *room) {
+      cause = fraction_cause(device, size);  // as a failed allocation: the pools may lend
+    } else if (pool == default_pool) {
       lock.unlock();
       const cudamem_status s = cudamem_allocate(process_allocator, size, device, stream, &p);
       lock.lock();
@@ -1082,8 +1133,11 @@ void* cudamem_torch_allocator::malloc(DeviceIndex device, std::size_t n, cudaStr
     } else {
       pool_state& ps = pools_.at(pool);
       block_size = ps.pool.block_size_for(size);
-      p = ps.pool.allocate(size, stream, ps.chunks);
-      if (p == nullptr) {
+      chunks_within_fraction source(ps.chunks, room);
+      p = ps.pool.allocate(size, stream, source);
+      if (p == nullptr && source.refused()) {
+        cause = fraction_cause(device, ps.pool.chunk_size_for(size));
+      } else if (p == nullptr) {
         cause = "the memory pool " + pool_name(pool) + " could not get a chunk of " +
                 size_text(ps.pool.chunk_size_for(size)) + " (" +
                 (ps.chunks.custom() ? std::string("its allocator returned none")
