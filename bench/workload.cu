@@ -106,7 +106,15 @@
 // model of a device that is `lag` stream-steps behind the host (lag 0: idle, every event is
 // complete when asked; lag 4: a stream-step's work is done when its stream's next one starts).
 // `--growth-mib N` and `--cache-mib N` set the pools' growth_step and cache_block_limit there
-// (what a different default would do to the waits and the peak). It prints the counts above
+// (what a different default would do to the waits and the peak). `--vm-handle-mib N`,
+// `--vm-growth-mib N` and `--vm-small-chunk-mib N` set, for the vm_pool rows only, the
+// vm_resource's handle_bytes and growth_bytes and the pool's small_chunk_size and growth_step
+// (powers of two; the chunk a multiple of the handle, at least the pool's 4 MiB
+// small_block_limit; the handle at least the 2 MiB granule); with any of them the vm_pool rows
+// also print the vm_resource's peak mapped MiB (what the device holds: whole growth batches,
+// where `peak` counts the pool's chunks and large blocks), that over the largest stream-step,
+// and its driver calls over both passes (cuMemCreate / cuMemMap / cuMemSetAccess: the cold
+// fill). It prints the counts above
 // per step, which stream-steps the waits were on (how many
 // stream-steps back: 1 = the one just before, which serialises the streams), and the peak
 // reserved beside the largest stream-step (what a cudaMalloc program holds, about). It shows
@@ -802,11 +810,34 @@ struct options {
   bool simulated = false;
   std::size_t growth_mib = 0;  ///< --simulated: the pools' growth_step (0: default)
   int cache_mib = -1;          ///< --simulated: the pools' cache_block_limit (-1: default)
+  /// --simulated, vm_pool rows only: handle_bytes, growth_bytes, small_chunk_size (and the
+  /// pool's growth_step) in MiB; 0: the default.
+  std::size_t vm_handle_mib = 0;
+  std::size_t vm_growth_mib = 0;
+  std::size_t vm_small_chunk_mib = 0;
+
+  [[nodiscard]] bool vm_configured() const {
+    return vm_handle_mib != 0 || vm_growth_mib != 0 || vm_small_chunk_mib != 0;
+  }
 
   [[nodiscard]] bool wants(const std::string& name) const {
     return only.empty() || std::find(only.begin(), only.end(), name) != only.end();
   }
 };
+
+/// The value of a --vm-*-mib option: a power of two of at least `least` MiB, else one line
+/// and exit 2 (a table must never name a size the run did not use).
+std::size_t parse_vm_mib(const char* option, const char* text, std::size_t least) {
+  char* end = nullptr;
+  const unsigned long long mib = std::strtoull(text, &end, 10);
+  if (text[0] < '0' || text[0] > '9' || *end != '\0' || mib < least || mib > (1ull << 20) ||
+      (mib & (mib - 1)) != 0) {
+    std::fprintf(stderr, "bench_workload: %s %s: must be a power of two of at least %zu (MiB)\n",
+                 option, text, least);
+    std::exit(2);
+  }
+  return static_cast<std::size_t>(mib);
+}
 
 options parse(int argc, char** argv) {
   options o;
@@ -837,14 +868,32 @@ options parse(int argc, char** argv) {
       o.growth_mib = static_cast<std::size_t>(std::max(0, std::atoi(argv[++i])));
     } else if (a == "--cache-mib" && i + 1 < argc) {
       o.cache_mib = std::max(0, std::atoi(argv[++i]));
+    } else if (a == "--vm-handle-mib" && i + 1 < argc) {
+      o.vm_handle_mib = parse_vm_mib("--vm-handle-mib", argv[++i], 2);  // whole 2 MiB granules
+    } else if (a == "--vm-growth-mib" && i + 1 < argc) {
+      o.vm_growth_mib = parse_vm_mib("--vm-growth-mib", argv[++i], 1);
+    } else if (a == "--vm-small-chunk-mib" && i + 1 < argc) {
+      // At least the pool's small_block_limit (4 MiB), which must fit in a small chunk.
+      o.vm_small_chunk_mib = parse_vm_mib("--vm-small-chunk-mib", argv[++i], 4);
     } else {
       std::fprintf(stderr,
                    "usage: bench_workload [--quick] [--steps N] [--reps N] [--sorts N] "
-                   "[--only A,B,...] [--no-probe] [--simulated [--growth-mib N] [--cache-mib N]]\n"
+                   "[--only A,B,...] [--no-probe] [--simulated [--growth-mib N] [--cache-mib N]\n"
+                   "       [--vm-handle-mib N] [--vm-growth-mib N] [--vm-small-chunk-mib N]]\n"
                    "rows: limit cudaMalloc cudaMallocAsync CUB pool+thrust pool pool-pre39 "
                    "pool-complete pool-cache-kept vm_pool vm_pool-pre39 vm_pool-complete arena; sort: the sort loop\n");
       std::exit(2);
     }
+  }
+  // A wholly free chunk must be whole handles, or the upstream could not recycle it.
+  const std::size_t handle = o.vm_handle_mib != 0 ? o.vm_handle_mib : 64;
+  const std::size_t chunk = o.vm_small_chunk_mib != 0 ? o.vm_small_chunk_mib : 64;
+  if (chunk % handle != 0) {
+    std::fprintf(stderr,
+                 "bench_workload: the vm_pool's small chunk (%zu MiB) must be a multiple of its "
+                 "handle (%zu MiB): give --vm-small-chunk-mib and --vm-handle-mib to match\n",
+                 chunk, handle);
+    std::exit(2);
   }
   return o;
 }
@@ -895,7 +944,7 @@ struct simulated_pool {
 /// the device `lag` stream-steps behind the host (0: idle), and prints one line.
 void simulate(const std::string& name, bool vm, bool before_39, bool when_complete,
               std::size_t lag, const plan& p, std::size_t steps,
-              cudamem::pool_options pool_opt) {
+              cudamem::pool_options pool_opt, const options& opt) {
   if (when_complete) {
     pool_opt.stream_reuse = cudamem::stream_reuse_policy::when_complete;
   }
@@ -909,6 +958,16 @@ void simulate(const std::string& name, bool vm, bool before_39, bool when_comple
     vo.pool.growth_step = pool_opt.growth_step;
     vo.pool.cache_block_limit = pool_opt.cache_block_limit;
     vo.pool.stream_reuse = pool_opt.stream_reuse;
+    if (opt.vm_handle_mib != 0) {
+      vo.handle_bytes = opt.vm_handle_mib * MiB;
+    }
+    if (opt.vm_growth_mib != 0) {
+      vo.growth_bytes = opt.vm_growth_mib * MiB;
+    }
+    if (opt.vm_small_chunk_mib != 0) {
+      vo.pool.small_chunk_size = opt.vm_small_chunk_mib * MiB;
+      vo.pool.growth_step = opt.vm_small_chunk_mib * MiB;
+    }
     auto v = std::make_unique<cudamem::vm_pool_resource>(
         std::make_unique<cudamem::detail::simulated_vm_mapping>(), vo);
     sp.pool = &v->pool();
@@ -975,12 +1034,24 @@ void simulate(const std::string& name, bool vm, bool before_39, bool when_comple
   char lag_text[16];
   std::snprintf(lag_text, sizeof lag_text, "%zu", lag);
   std::printf("%-16s %4s", name.c_str(), lag == 0 ? "idle" : lag_text);
-  std::printf(" %8.2f %8.2f %8.2f %8.2f %8.2f %8.2f %7.1f %7.1f %6.2f  %s\n",
+  std::printf(" %8.2f %8.2f %8.2f %8.2f %8.2f %8.2f %7.1f %7.1f %6.2f",
               per_step(c.cross_stream_blocks, steps), per_step(c.preferred_blocks, steps),
               per_step(c.event_records, steps), per_step(c.event_queries, steps),
               per_step(c.stream_waits, steps), per_step(c.waits_skipped, steps), mib(peak),
-              mib(largest_step), static_cast<double>(peak) / static_cast<double>(largest_step),
-              distances.empty() ? "-" : distances.c_str());
+              mib(largest_step), static_cast<double>(peak) / static_cast<double>(largest_step));
+  if (opt.vm_configured()) {  // the vm_resource's own figures: only when asked for
+    if (vm) {
+      const cudamem::vm_pool_stats v = static_cast<cudamem::vm_pool_resource&>(*sp.mr).vm_stats();
+      char calls[48];
+      std::snprintf(calls, sizeof calls, "%zu/%zu/%zu", v.handles_created, v.maps, v.access_calls);
+      std::printf(" %7.1f %6.2f %14s", mib(v.peak_mapped_bytes),
+                  static_cast<double>(v.peak_mapped_bytes) / static_cast<double>(largest_step),
+                  calls);
+    } else {
+      std::printf(" %7s %6s %14s", "-", "-", "-");
+    }
+  }
+  std::printf("  %s\n", distances.empty() ? "-" : distances.c_str());
 }
 
 /// The least memory a pool of two tiers can hold on this plan, whatever its placement: a tier's
@@ -1036,9 +1107,25 @@ int run_simulated(const options& opt) {
   std::printf("waits by distance: how many stream-steps back the work waited for was issued "
               "(1: the stream-step just before: the streams run one after another)\n\n");
   print_tier_floor(p, pool_opt.small_block_limit);
-  std::printf("%-16s %4s %8s %8s %8s %8s %8s %8s %7s %7s %6s  %s\n", "pool", "lag", "crossed",
-              "preferred", "records", "queries", "waits", "skipped", "peak", "1 step", "ratio",
-              "waits by distance");
+  if (opt.vm_configured()) {
+    const cudamem::vm_resource_options defaults;
+    const cudamem::pool_options chunking = cudamem::vm_pool_chunking();
+    std::printf("vm_pool rows: handle_bytes %zu MiB, growth_bytes %zu MiB, small_chunk_size %zu "
+                "MiB, growth_step %zu MiB (--vm-handle-mib, --vm-growth-mib, "
+                "--vm-small-chunk-mib)\n\n",
+                (opt.vm_handle_mib != 0 ? opt.vm_handle_mib * MiB : defaults.handle_bytes) / MiB,
+                (opt.vm_growth_mib != 0 ? opt.vm_growth_mib * MiB : defaults.growth_bytes) / MiB,
+                (opt.vm_small_chunk_mib != 0 ? opt.vm_small_chunk_mib * MiB
+                                             : chunking.small_chunk_size) / MiB,
+                (opt.vm_small_chunk_mib != 0 ? opt.vm_small_chunk_mib * MiB
+                                             : pool_opt.growth_step) / MiB);
+  }
+  std::printf("%-16s %4s %8s %8s %8s %8s %8s %8s %7s %7s %6s", "pool", "lag", "crossed",
+              "preferred", "records", "queries", "waits", "skipped", "peak", "1 step", "ratio");
+  if (opt.vm_configured()) {
+    std::printf(" %7s %6s %14s", "mapped", "m.rat.", "create/map/acc");
+  }
+  std::printf("  %s\n", "waits by distance");
   for (const std::size_t lag : {std::size_t{0}, std::size_t{1}, std::size_t{2}, std::size_t{4},
                                 std::size_t{8}}) {
     for (const bool vm : {false, true}) {
@@ -1051,13 +1138,18 @@ int run_simulated(const options& opt) {
         cudamem::pool_options row_opt = pool_opt;
         row_opt.cache_follows_use = !cache_kept;
         simulate(name, vm, variant == "-pre39", variant == "-complete", lag, p, opt.steps,
-                 row_opt);
+                 row_opt, opt);
       }
     }
   }
   std::printf("\npeak: the pool's reserved MiB (sampled after each stream-step's allocations); "
               "1 step: the largest stream-step's live bytes (about what cudaMalloc holds, whose "
               "frees wait for the device); ratio: peak / 1 step\n");
+  if (opt.vm_configured()) {
+    std::printf("mapped: the vm_pool's vm_resource's peak mapped MiB (whole handles and growth "
+                "batches: what the device holds); m.rat.: mapped / 1 step; create/map/acc: its "
+                "cuMemCreate / cuMemMap / cuMemSetAccess calls over both passes\n");
+  }
   return 0;
 }
 
