@@ -110,11 +110,13 @@
 // `--vm-growth-mib N` and `--vm-small-chunk-mib N` set, for the vm_pool rows only, the
 // vm_resource's handle_bytes and growth_bytes and the pool's small_chunk_size and growth_step
 // (powers of two; the chunk a multiple of the handle, at least the pool's 4 MiB
-// small_block_limit; the handle at least the 2 MiB granule); with any of them the vm_pool rows
-// also print the vm_resource's peak mapped MiB (what the device holds: whole growth batches,
-// where `peak` counts the pool's chunks and large blocks), that over the largest stream-step,
-// and its driver calls over both passes (cuMemCreate / cuMemMap / cuMemSetAccess: the cold
-// fill). It prints the counts above
+// small_block_limit; the handle at least the 2 MiB granule); `--vm-limit-mib N` their
+// physical_limit (a multiple of the handle: at the limit the vm_resource recycles rather than
+// grows). With any of them the vm_pool rows also print the vm_resource's peak mapped MiB (what
+// the device holds: whole growth batches, and the free ranges it grew past rather than merge
+// or recycle, where `peak` counts only the pool's chunks and the large blocks in use), that
+// over the largest stream-step, and its driver calls over both passes (cuMemCreate / cuMemMap
+// / cuMemSetAccess: the cold fill; cN: compactions). It prints the counts above
 // per step, which stream-steps the waits were on (how many
 // stream-steps back: 1 = the one just before, which serialises the streams), and the peak
 // reserved beside the largest stream-step (what a cudaMalloc program holds, about). It shows
@@ -815,9 +817,11 @@ struct options {
   std::size_t vm_handle_mib = 0;
   std::size_t vm_growth_mib = 0;
   std::size_t vm_small_chunk_mib = 0;
+  std::size_t vm_limit_mib = 0;  ///< physical_limit (0: none)
 
   [[nodiscard]] bool vm_configured() const {
-    return vm_handle_mib != 0 || vm_growth_mib != 0 || vm_small_chunk_mib != 0;
+    return vm_handle_mib != 0 || vm_growth_mib != 0 || vm_small_chunk_mib != 0 ||
+           vm_limit_mib != 0;
   }
 
   [[nodiscard]] bool wants(const std::string& name) const {
@@ -872,6 +876,17 @@ options parse(int argc, char** argv) {
       o.vm_handle_mib = parse_vm_mib("--vm-handle-mib", argv[++i], 2);  // whole 2 MiB granules
     } else if (a == "--vm-growth-mib" && i + 1 < argc) {
       o.vm_growth_mib = parse_vm_mib("--vm-growth-mib", argv[++i], 1);
+    } else if (a == "--vm-limit-mib" && i + 1 < argc) {
+      // Any whole number of MiB; a multiple of the handle is checked below.
+      const char* text = argv[++i];
+      char* end = nullptr;
+      const unsigned long long mib = std::strtoull(text, &end, 10);
+      if (text[0] < '0' || text[0] > '9' || *end != '\0' || mib == 0 || mib > (1ull << 30)) {
+        std::fprintf(stderr, "bench_workload: --vm-limit-mib %s: must be a positive number of MiB\n",
+                     text);
+        std::exit(2);
+      }
+      o.vm_limit_mib = static_cast<std::size_t>(mib);
     } else if (a == "--vm-small-chunk-mib" && i + 1 < argc) {
       // At least the pool's small_block_limit (4 MiB), which must fit in a small chunk.
       o.vm_small_chunk_mib = parse_vm_mib("--vm-small-chunk-mib", argv[++i], 4);
@@ -879,7 +894,8 @@ options parse(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: bench_workload [--quick] [--steps N] [--reps N] [--sorts N] "
                    "[--only A,B,...] [--no-probe] [--simulated [--growth-mib N] [--cache-mib N]\n"
-                   "       [--vm-handle-mib N] [--vm-growth-mib N] [--vm-small-chunk-mib N]]\n"
+                   "       [--vm-handle-mib N] [--vm-growth-mib N] [--vm-small-chunk-mib N] "
+                   "[--vm-limit-mib N]]\n"
                    "rows: limit cudaMalloc cudaMallocAsync CUB pool+thrust pool pool-pre39 "
                    "pool-complete pool-cache-kept vm_pool vm_pool-pre39 vm_pool-complete arena; sort: the sort loop\n");
       std::exit(2);
@@ -893,6 +909,13 @@ options parse(int argc, char** argv) {
                  "bench_workload: the vm_pool's small chunk (%zu MiB) must be a multiple of its "
                  "handle (%zu MiB): give --vm-small-chunk-mib and --vm-handle-mib to match\n",
                  chunk, handle);
+    std::exit(2);
+  }
+  if (o.vm_limit_mib % handle != 0) {  // physical_limit is used in whole handles
+    std::fprintf(stderr,
+                 "bench_workload: --vm-limit-mib %zu: must be a multiple of the vm_pool's handle "
+                 "(%zu MiB)\n",
+                 o.vm_limit_mib, handle);
     std::exit(2);
   }
   return o;
@@ -963,6 +986,9 @@ void simulate(const std::string& name, bool vm, bool before_39, bool when_comple
     }
     if (opt.vm_growth_mib != 0) {
       vo.growth_bytes = opt.vm_growth_mib * MiB;
+    }
+    if (opt.vm_limit_mib != 0) {
+      vo.physical_limit = opt.vm_limit_mib * MiB;
     }
     if (opt.vm_small_chunk_mib != 0) {
       vo.pool.small_chunk_size = opt.vm_small_chunk_mib * MiB;
@@ -1042,13 +1068,13 @@ void simulate(const std::string& name, bool vm, bool before_39, bool when_comple
   if (opt.vm_configured()) {  // the vm_resource's own figures: only when asked for
     if (vm) {
       const cudamem::vm_pool_stats v = static_cast<cudamem::vm_pool_resource&>(*sp.mr).vm_stats();
-      char calls[48];
-      std::snprintf(calls, sizeof calls, "%zu/%zu/%zu", v.handles_created, v.maps, v.access_calls);
-      std::printf(" %7.1f %6.2f %14s", mib(v.peak_mapped_bytes),
+      char calls[64];
+      std::snprintf(calls, sizeof calls, "%zu/%zu/%zu c%zu", v.handles_created, v.maps, v.access_calls, v.compactions);
+      std::printf(" %7.1f %6.2f %18s", mib(v.peak_mapped_bytes),
                   static_cast<double>(v.peak_mapped_bytes) / static_cast<double>(largest_step),
                   calls);
     } else {
-      std::printf(" %7s %6s %14s", "-", "-", "-");
+      std::printf(" %7s %6s %18s", "-", "-", "-");
     }
   }
   std::printf("  %s\n", distances.empty() ? "-" : distances.c_str());
@@ -1111,19 +1137,21 @@ int run_simulated(const options& opt) {
     const cudamem::vm_resource_options defaults;
     const cudamem::pool_options chunking = cudamem::vm_pool_chunking();
     std::printf("vm_pool rows: handle_bytes %zu MiB, growth_bytes %zu MiB, small_chunk_size %zu "
-                "MiB, growth_step %zu MiB (--vm-handle-mib, --vm-growth-mib, "
-                "--vm-small-chunk-mib)\n\n",
+                "MiB, growth_step %zu MiB, physical_limit %s (--vm-handle-mib, --vm-growth-mib, "
+                "--vm-small-chunk-mib, --vm-limit-mib)\n\n",
                 (opt.vm_handle_mib != 0 ? opt.vm_handle_mib * MiB : defaults.handle_bytes) / MiB,
                 (opt.vm_growth_mib != 0 ? opt.vm_growth_mib * MiB : defaults.growth_bytes) / MiB,
                 (opt.vm_small_chunk_mib != 0 ? opt.vm_small_chunk_mib * MiB
                                              : chunking.small_chunk_size) / MiB,
                 (opt.vm_small_chunk_mib != 0 ? opt.vm_small_chunk_mib * MiB
-                                             : pool_opt.growth_step) / MiB);
+                                             : pool_opt.growth_step) / MiB,
+                opt.vm_limit_mib != 0 ? (std::to_string(opt.vm_limit_mib) + " MiB").c_str()
+                                      : "none");
   }
   std::printf("%-16s %4s %8s %8s %8s %8s %8s %8s %7s %7s %6s", "pool", "lag", "crossed",
               "preferred", "records", "queries", "waits", "skipped", "peak", "1 step", "ratio");
   if (opt.vm_configured()) {
-    std::printf(" %7s %6s %14s", "mapped", "m.rat.", "create/map/acc");
+    std::printf(" %7s %6s %18s", "mapped", "m.rat.", "create/map/acc cN");
   }
   std::printf("  %s\n", "waits by distance");
   for (const std::size_t lag : {std::size_t{0}, std::size_t{1}, std::size_t{2}, std::size_t{4},
@@ -1148,7 +1176,8 @@ int run_simulated(const options& opt) {
   if (opt.vm_configured()) {
     std::printf("mapped: the vm_pool's vm_resource's peak mapped MiB (whole handles and growth "
                 "batches: what the device holds); m.rat.: mapped / 1 step; create/map/acc: its "
-                "cuMemCreate / cuMemMap / cuMemSetAccess calls over both passes\n");
+                "cuMemCreate / cuMemMap / cuMemSetAccess calls over both passes, cN its "
+                "compactions\n");
   }
   return 0;
 }
