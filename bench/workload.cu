@@ -112,7 +112,10 @@
 // (powers of two; the chunk a multiple of the handle, at least the pool's 4 MiB
 // small_block_limit; the handle at least the 2 MiB granule); `--vm-limit-mib N` their
 // physical_limit (a multiple of the handle: at the limit the vm_resource recycles rather than
-// grows). With any of them the vm_pool rows also print the vm_resource's peak mapped MiB (what
+// grows); `--vm-grow-ahead-mib N` their grow_ahead_bytes (0 over the simulated device unless
+// given; a real device's default is 4 GiB: a thread keeps up to a quarter of what is held
+// mapped ahead; its timing in the model is not a GPU's, so figures with it vary run to run).
+// With any of them the vm_pool rows also print the vm_resource's peak mapped MiB (what
 // the device holds: whole growth batches, and the free ranges it grew past rather than merge
 // or recycle, where `peak` counts only the pool's chunks and the large blocks in use), that
 // over the largest stream-step, and its driver calls over both passes (cuMemCreate / cuMemMap
@@ -818,10 +821,12 @@ struct options {
   std::size_t vm_growth_mib = 0;
   std::size_t vm_small_chunk_mib = 0;
   std::size_t vm_limit_mib = 0;  ///< physical_limit (0: none)
+  /// grow_ahead_bytes in MiB (nullopt: the default, 0 over the simulated device).
+  std::optional<std::size_t> vm_grow_ahead_mib;
 
   [[nodiscard]] bool vm_configured() const {
     return vm_handle_mib != 0 || vm_growth_mib != 0 || vm_small_chunk_mib != 0 ||
-           vm_limit_mib != 0;
+           vm_limit_mib != 0 || vm_grow_ahead_mib.has_value();
   }
 
   [[nodiscard]] bool wants(const std::string& name) const {
@@ -876,6 +881,17 @@ options parse(int argc, char** argv) {
       o.vm_handle_mib = parse_vm_mib("--vm-handle-mib", argv[++i], 2);  // whole 2 MiB granules
     } else if (a == "--vm-growth-mib" && i + 1 < argc) {
       o.vm_growth_mib = parse_vm_mib("--vm-growth-mib", argv[++i], 1);
+    } else if (a == "--vm-grow-ahead-mib" && i + 1 < argc) {
+      const char* text = argv[++i];
+      char* end = nullptr;
+      const unsigned long long mib = std::strtoull(text, &end, 10);
+      if (text[0] < '0' || text[0] > '9' || *end != '\0' || mib > (1ull << 30)) {
+        std::fprintf(stderr,
+                     "bench_workload: --vm-grow-ahead-mib %s: must be a number of MiB (0: off)\n",
+                     text);
+        std::exit(2);
+      }
+      o.vm_grow_ahead_mib = static_cast<std::size_t>(mib);
     } else if (a == "--vm-limit-mib" && i + 1 < argc) {
       // Any whole number of MiB; a multiple of the handle is checked below.
       const char* text = argv[++i];
@@ -895,7 +911,8 @@ options parse(int argc, char** argv) {
                    "usage: bench_workload [--quick] [--steps N] [--reps N] [--sorts N] "
                    "[--only A,B,...] [--no-probe] [--simulated [--growth-mib N] [--cache-mib N]\n"
                    "       [--vm-handle-mib N] [--vm-growth-mib N] [--vm-small-chunk-mib N] "
-                   "[--vm-limit-mib N]]\n"
+                   "[--vm-limit-mib N]\n"
+                   "       [--vm-grow-ahead-mib N]]\n"
                    "rows: limit cudaMalloc cudaMallocAsync CUB pool+thrust pool pool-pre39 "
                    "pool-complete pool-cache-kept vm_pool vm_pool-pre39 vm_pool-complete arena; sort: the sort loop\n");
       std::exit(2);
@@ -989,6 +1006,9 @@ void simulate(const std::string& name, bool vm, bool before_39, bool when_comple
     }
     if (opt.vm_limit_mib != 0) {
       vo.physical_limit = opt.vm_limit_mib * MiB;
+    }
+    if (opt.vm_grow_ahead_mib) {
+      vo.grow_ahead_bytes = *opt.vm_grow_ahead_mib * MiB;
     }
     if (opt.vm_small_chunk_mib != 0) {
       vo.pool.small_chunk_size = opt.vm_small_chunk_mib * MiB;
@@ -1137,8 +1157,8 @@ int run_simulated(const options& opt) {
     const cudamem::vm_resource_options defaults;
     const cudamem::pool_options chunking = cudamem::vm_pool_chunking();
     std::printf("vm_pool rows: handle_bytes %zu MiB, growth_bytes %zu MiB, small_chunk_size %zu "
-                "MiB, growth_step %zu MiB, physical_limit %s (--vm-handle-mib, --vm-growth-mib, "
-                "--vm-small-chunk-mib, --vm-limit-mib)\n\n",
+                "MiB, growth_step %zu MiB, physical_limit %s, grow_ahead_bytes %s (--vm-handle-mib, "
+                "--vm-growth-mib, --vm-small-chunk-mib, --vm-limit-mib, --vm-grow-ahead-mib)\n\n",
                 (opt.vm_handle_mib != 0 ? opt.vm_handle_mib * MiB : defaults.handle_bytes) / MiB,
                 (opt.vm_growth_mib != 0 ? opt.vm_growth_mib * MiB : defaults.growth_bytes) / MiB,
                 (opt.vm_small_chunk_mib != 0 ? opt.vm_small_chunk_mib * MiB
@@ -1146,7 +1166,9 @@ int run_simulated(const options& opt) {
                 (opt.vm_small_chunk_mib != 0 ? opt.vm_small_chunk_mib * MiB
                                              : pool_opt.growth_step) / MiB,
                 opt.vm_limit_mib != 0 ? (std::to_string(opt.vm_limit_mib) + " MiB").c_str()
-                                      : "none");
+                                      : "none",
+                opt.vm_grow_ahead_mib ? (std::to_string(*opt.vm_grow_ahead_mib) + " MiB").c_str()
+                                      : "default (0 here)");
   }
   std::printf("%-16s %4s %8s %8s %8s %8s %8s %8s %7s %7s %6s", "pool", "lag", "crossed",
               "preferred", "records", "queries", "waits", "skipped", "peak", "1 step", "ratio");
