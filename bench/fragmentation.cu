@@ -21,6 +21,8 @@
 //   bench_fragmentation --only vm_pool --grow-ahead-floor-mib 0  # ... down to the last handle
 //   bench_fragmentation --simulated --handle-mib 16   # vm_pools with 16 MiB handles (default
 //                     # 64; the C API's PyTorch stack: 4): stranded memory against moves
+//   bench_fragmentation --simulated --handle-mib 16 --small-chunk-mib 16   # ... and the pool's
+//                     # small chunks and growth_step of 16 MiB (default 64; whole handles)
 //   bench_fragmentation --only vm_pool --variants-only --variant bench --seeds 42
 //                     # one fresh vm_pool, cold then warm, as the process's first allocator:
 //                     # a cold start on a device at rest (the main table's cold mixed run
@@ -194,6 +196,10 @@ std::size_t vm_growth_bytes = 0;
 /// block out of fewer moves, and may strand more memory next to live blocks. This lets the
 /// simulated device show both sides.
 std::size_t vm_handle_bytes = 0;
+/// `--small-chunk-mib N`: the vm_pools' pool.small_chunk_size and pool.growth_step (0: the
+/// default, vm_pool_chunking()'s 64 MiB); a multiple of the handle, so that a wholly free chunk
+/// is whole handles the upstream can recycle.
+std::size_t vm_small_chunk_bytes = 0;
 /// `--simulated-driver-us C,A`: with --simulated, each create takes C us and each set_access A
 /// us per handle (an H100's are ~22-35 and ~37): what overlaps the driver, studied on the host.
 unsigned sim_create_us = 0;
@@ -210,6 +216,10 @@ cudamem::vm_pool_options bench_vm_options() {
   }
   if (vm_handle_bytes != 0) {
     o.handle_bytes = vm_handle_bytes;
+  }
+  if (vm_small_chunk_bytes != 0) {
+    o.pool.small_chunk_size = vm_small_chunk_bytes;
+    o.pool.growth_step = vm_small_chunk_bytes;
   }
   o.grow_ahead_floor_bytes = vm_grow_ahead_floor_bytes;
   return o;
@@ -896,6 +906,13 @@ void run_simulated(const selection& what) {
   if (vm_handle_bytes != 0) {  // said only when asked for: the default output stays as it was
     std::printf("vm_pool handles: %zu MiB (--handle-mib)\n", vm_handle_bytes / MiB);
   }
+  if (vm_growth_bytes != 0) {  // likewise
+    std::printf("vm_pool growth: %zu MiB (--growth-mib)\n", vm_growth_bytes / MiB);
+  }
+  if (vm_small_chunk_bytes != 0) {  // likewise
+    std::printf("vm_pool small chunks and growth_step: %zu MiB (--small-chunk-mib)\n",
+                vm_small_chunk_bytes / MiB);
+  }
   if (!what.variants_only) {
     print_header();
   }
@@ -985,6 +1002,7 @@ int main(int argc, char** argv) {
                  "usage: bench_fragmentation [--simulated] [--detail] [--only NAME] [--vm-runs N]\n"
                  "         [--pause-ms N] [--grow-ahead-mib N] [--grow-ahead-floor-mib N]\n"
                  "         [--growth-mib N] [--handle-mib 2|4|8|16|32|64]\n"
+                 "         [--small-chunk-mib 4|8|...|N (a multiple of the handle)]\n"
                  "         [--simulated-driver-us C,A] [--stream-model busy|idle|pre39]\n"
                  "         [--variants-only]\n"
                  "         [--variant all|none|NAME[,NAME...]] [--seeds N[,N...]]\n"
@@ -1030,6 +1048,21 @@ int main(int argc, char** argv) {
         return usage();
       }
       vm_handle_bytes = static_cast<std::size_t>(mib) * MiB;
+    } else if (arg == "--small-chunk-mib" && i + 1 < argc) {
+      // A power of two, at least the pool's 4 MiB small_block_limit (which must fit in a small
+      // chunk); whether it is whole handles is checked once every option is read.
+      const char* text = argv[++i];
+      char* end = nullptr;
+      const unsigned long long mib = std::strtoull(text, &end, 10);
+      if (text[0] < '0' || text[0] > '9' || *end != '\0' || mib < 4 || mib > (1ull << 20) ||
+          (mib & (mib - 1)) != 0) {
+        std::fprintf(stderr,
+                     "bench_fragmentation: --small-chunk-mib %s: the chunk size must be a power "
+                     "of two of at least 4 (MiB): the pool's small_block_limit\n",
+                     text);
+        return usage();
+      }
+      vm_small_chunk_bytes = static_cast<std::size_t>(mib) * MiB;
     } else if (arg == "--simulated-driver-us" && i + 1 < argc) {
       const std::vector<std::string> us = split_list(argv[++i]);
       if (us.size() != 2) {
@@ -1059,6 +1092,17 @@ int main(int argc, char** argv) {
         what.seeds.push_back(n);
       }
     } else {
+      return usage();
+    }
+  }
+  if (vm_small_chunk_bytes != 0 || vm_handle_bytes != 0) {
+    const std::size_t handle = vm_handle_bytes != 0 ? vm_handle_bytes : 64 * MiB;
+    const std::size_t chunk = vm_small_chunk_bytes != 0 ? vm_small_chunk_bytes : 64 * MiB;
+    if (chunk % handle != 0) {
+      std::fprintf(stderr,
+                   "bench_fragmentation: the vm_pool's small chunk (%zu MiB) must be a multiple "
+                   "of its handle (%zu MiB): give --small-chunk-mib and --handle-mib to match\n",
+                   chunk / MiB, handle / MiB);
       return usage();
     }
   }
@@ -1118,6 +1162,13 @@ int main(int argc, char** argv) {
   }
   if (vm_handle_bytes != 0) {
     std::printf("vm_pool handles: %zu MiB (--handle-mib)\n", vm_handle_bytes / MiB);
+  }
+  if (vm_growth_bytes != 0) {  // likewise
+    std::printf("vm_pool growth: %zu MiB (--growth-mib)\n", vm_growth_bytes / MiB);
+  }
+  if (vm_small_chunk_bytes != 0) {  // likewise
+    std::printf("vm_pool small chunks and growth_step: %zu MiB (--small-chunk-mib)\n",
+                vm_small_chunk_bytes / MiB);
   }
   if (!what.variants_only) {
     print_header();

@@ -106,7 +106,20 @@
 // model of a device that is `lag` stream-steps behind the host (lag 0: idle, every event is
 // complete when asked; lag 4: a stream-step's work is done when its stream's next one starts).
 // `--growth-mib N` and `--cache-mib N` set the pools' growth_step and cache_block_limit there
-// (what a different default would do to the waits and the peak). It prints the counts above
+// (what a different default would do to the waits and the peak). `--vm-handle-mib N`,
+// `--vm-growth-mib N` and `--vm-small-chunk-mib N` set, for the vm_pool rows only, the
+// vm_resource's handle_bytes and growth_bytes and the pool's small_chunk_size and growth_step
+// (powers of two; the chunk a multiple of the handle, at least the pool's 4 MiB
+// small_block_limit; the handle at least the 2 MiB granule); `--vm-limit-mib N` their
+// physical_limit (a multiple of the handle: at the limit the vm_resource recycles rather than
+// grows); `--vm-grow-ahead-mib N` their grow_ahead_bytes (0 over the simulated device unless
+// given; a real device's default is 4 GiB: a thread keeps up to a quarter of what is held
+// mapped ahead; its timing in the model is not a GPU's, so figures with it vary run to run).
+// With any of them the vm_pool rows also print the vm_resource's peak mapped MiB (what
+// the device holds: whole growth batches, and the free ranges it grew past rather than merge
+// or recycle, where `peak` counts only the pool's chunks and the large blocks in use), that
+// over the largest stream-step, and its driver calls over both passes (cuMemCreate / cuMemMap
+// / cuMemSetAccess: the cold fill; cN: compactions). It prints the counts above
 // per step, which stream-steps the waits were on (how many
 // stream-steps back: 1 = the one just before, which serialises the streams), and the peak
 // reserved beside the largest stream-step (what a cudaMalloc program holds, about). It shows
@@ -802,11 +815,38 @@ struct options {
   bool simulated = false;
   std::size_t growth_mib = 0;  ///< --simulated: the pools' growth_step (0: default)
   int cache_mib = -1;          ///< --simulated: the pools' cache_block_limit (-1: default)
+  /// --simulated, vm_pool rows only: handle_bytes, growth_bytes, small_chunk_size (and the
+  /// pool's growth_step) in MiB; 0: the default.
+  std::size_t vm_handle_mib = 0;
+  std::size_t vm_growth_mib = 0;
+  std::size_t vm_small_chunk_mib = 0;
+  std::size_t vm_limit_mib = 0;  ///< physical_limit (0: none)
+  /// grow_ahead_bytes in MiB (nullopt: the default, 0 over the simulated device).
+  std::optional<std::size_t> vm_grow_ahead_mib;
+
+  [[nodiscard]] bool vm_configured() const {
+    return vm_handle_mib != 0 || vm_growth_mib != 0 || vm_small_chunk_mib != 0 ||
+           vm_limit_mib != 0 || vm_grow_ahead_mib.has_value();
+  }
 
   [[nodiscard]] bool wants(const std::string& name) const {
     return only.empty() || std::find(only.begin(), only.end(), name) != only.end();
   }
 };
+
+/// The value of a --vm-*-mib option: a power of two of at least `least` MiB, else one line
+/// and exit 2 (a table must never name a size the run did not use).
+std::size_t parse_vm_mib(const char* option, const char* text, std::size_t least) {
+  char* end = nullptr;
+  const unsigned long long mib = std::strtoull(text, &end, 10);
+  if (text[0] < '0' || text[0] > '9' || *end != '\0' || mib < least || mib > (1ull << 20) ||
+      (mib & (mib - 1)) != 0) {
+    std::fprintf(stderr, "bench_workload: %s %s: must be a power of two of at least %zu (MiB)\n",
+                 option, text, least);
+    std::exit(2);
+  }
+  return static_cast<std::size_t>(mib);
+}
 
 options parse(int argc, char** argv) {
   options o;
@@ -837,14 +877,63 @@ options parse(int argc, char** argv) {
       o.growth_mib = static_cast<std::size_t>(std::max(0, std::atoi(argv[++i])));
     } else if (a == "--cache-mib" && i + 1 < argc) {
       o.cache_mib = std::max(0, std::atoi(argv[++i]));
+    } else if (a == "--vm-handle-mib" && i + 1 < argc) {
+      o.vm_handle_mib = parse_vm_mib("--vm-handle-mib", argv[++i], 2);  // whole 2 MiB granules
+    } else if (a == "--vm-growth-mib" && i + 1 < argc) {
+      o.vm_growth_mib = parse_vm_mib("--vm-growth-mib", argv[++i], 1);
+    } else if (a == "--vm-grow-ahead-mib" && i + 1 < argc) {
+      const char* text = argv[++i];
+      char* end = nullptr;
+      const unsigned long long mib = std::strtoull(text, &end, 10);
+      if (text[0] < '0' || text[0] > '9' || *end != '\0' || mib > (1ull << 30)) {
+        std::fprintf(stderr,
+                     "bench_workload: --vm-grow-ahead-mib %s: must be a number of MiB (0: off)\n",
+                     text);
+        std::exit(2);
+      }
+      o.vm_grow_ahead_mib = static_cast<std::size_t>(mib);
+    } else if (a == "--vm-limit-mib" && i + 1 < argc) {
+      // Any whole number of MiB; a multiple of the handle is checked below.
+      const char* text = argv[++i];
+      char* end = nullptr;
+      const unsigned long long mib = std::strtoull(text, &end, 10);
+      if (text[0] < '0' || text[0] > '9' || *end != '\0' || mib == 0 || mib > (1ull << 30)) {
+        std::fprintf(stderr, "bench_workload: --vm-limit-mib %s: must be a positive number of MiB\n",
+                     text);
+        std::exit(2);
+      }
+      o.vm_limit_mib = static_cast<std::size_t>(mib);
+    } else if (a == "--vm-small-chunk-mib" && i + 1 < argc) {
+      // At least the pool's small_block_limit (4 MiB), which must fit in a small chunk.
+      o.vm_small_chunk_mib = parse_vm_mib("--vm-small-chunk-mib", argv[++i], 4);
     } else {
       std::fprintf(stderr,
                    "usage: bench_workload [--quick] [--steps N] [--reps N] [--sorts N] "
-                   "[--only A,B,...] [--no-probe] [--simulated [--growth-mib N] [--cache-mib N]]\n"
+                   "[--only A,B,...] [--no-probe] [--simulated [--growth-mib N] [--cache-mib N]\n"
+                   "       [--vm-handle-mib N] [--vm-growth-mib N] [--vm-small-chunk-mib N] "
+                   "[--vm-limit-mib N]\n"
+                   "       [--vm-grow-ahead-mib N]]\n"
                    "rows: limit cudaMalloc cudaMallocAsync CUB pool+thrust pool pool-pre39 "
                    "pool-complete pool-cache-kept vm_pool vm_pool-pre39 vm_pool-complete arena; sort: the sort loop\n");
       std::exit(2);
     }
+  }
+  // A wholly free chunk must be whole handles, or the upstream could not recycle it.
+  const std::size_t handle = o.vm_handle_mib != 0 ? o.vm_handle_mib : 64;
+  const std::size_t chunk = o.vm_small_chunk_mib != 0 ? o.vm_small_chunk_mib : 64;
+  if (chunk % handle != 0) {
+    std::fprintf(stderr,
+                 "bench_workload: the vm_pool's small chunk (%zu MiB) must be a multiple of its "
+                 "handle (%zu MiB): give --vm-small-chunk-mib and --vm-handle-mib to match\n",
+                 chunk, handle);
+    std::exit(2);
+  }
+  if (o.vm_limit_mib % handle != 0) {  // physical_limit is used in whole handles
+    std::fprintf(stderr,
+                 "bench_workload: --vm-limit-mib %zu: must be a multiple of the vm_pool's handle "
+                 "(%zu MiB)\n",
+                 o.vm_limit_mib, handle);
+    std::exit(2);
   }
   return o;
 }
@@ -895,7 +984,7 @@ struct simulated_pool {
 /// the device `lag` stream-steps behind the host (0: idle), and prints one line.
 void simulate(const std::string& name, bool vm, bool before_39, bool when_complete,
               std::size_t lag, const plan& p, std::size_t steps,
-              cudamem::pool_options pool_opt) {
+              cudamem::pool_options pool_opt, const options& opt) {
   if (when_complete) {
     pool_opt.stream_reuse = cudamem::stream_reuse_policy::when_complete;
   }
@@ -909,6 +998,22 @@ void simulate(const std::string& name, bool vm, bool before_39, bool when_comple
     vo.pool.growth_step = pool_opt.growth_step;
     vo.pool.cache_block_limit = pool_opt.cache_block_limit;
     vo.pool.stream_reuse = pool_opt.stream_reuse;
+    if (opt.vm_handle_mib != 0) {
+      vo.handle_bytes = opt.vm_handle_mib * MiB;
+    }
+    if (opt.vm_growth_mib != 0) {
+      vo.growth_bytes = opt.vm_growth_mib * MiB;
+    }
+    if (opt.vm_limit_mib != 0) {
+      vo.physical_limit = opt.vm_limit_mib * MiB;
+    }
+    if (opt.vm_grow_ahead_mib) {
+      vo.grow_ahead_bytes = *opt.vm_grow_ahead_mib * MiB;
+    }
+    if (opt.vm_small_chunk_mib != 0) {
+      vo.pool.small_chunk_size = opt.vm_small_chunk_mib * MiB;
+      vo.pool.growth_step = opt.vm_small_chunk_mib * MiB;
+    }
     auto v = std::make_unique<cudamem::vm_pool_resource>(
         std::make_unique<cudamem::detail::simulated_vm_mapping>(), vo);
     sp.pool = &v->pool();
@@ -975,12 +1080,24 @@ void simulate(const std::string& name, bool vm, bool before_39, bool when_comple
   char lag_text[16];
   std::snprintf(lag_text, sizeof lag_text, "%zu", lag);
   std::printf("%-16s %4s", name.c_str(), lag == 0 ? "idle" : lag_text);
-  std::printf(" %8.2f %8.2f %8.2f %8.2f %8.2f %8.2f %7.1f %7.1f %6.2f  %s\n",
+  std::printf(" %8.2f %8.2f %8.2f %8.2f %8.2f %8.2f %7.1f %7.1f %6.2f",
               per_step(c.cross_stream_blocks, steps), per_step(c.preferred_blocks, steps),
               per_step(c.event_records, steps), per_step(c.event_queries, steps),
               per_step(c.stream_waits, steps), per_step(c.waits_skipped, steps), mib(peak),
-              mib(largest_step), static_cast<double>(peak) / static_cast<double>(largest_step),
-              distances.empty() ? "-" : distances.c_str());
+              mib(largest_step), static_cast<double>(peak) / static_cast<double>(largest_step));
+  if (opt.vm_configured()) {  // the vm_resource's own figures: only when asked for
+    if (vm) {
+      const cudamem::vm_pool_stats v = static_cast<cudamem::vm_pool_resource&>(*sp.mr).vm_stats();
+      char calls[64];
+      std::snprintf(calls, sizeof calls, "%zu/%zu/%zu c%zu", v.handles_created, v.maps, v.access_calls, v.compactions);
+      std::printf(" %7.1f %6.2f %18s", mib(v.peak_mapped_bytes),
+                  static_cast<double>(v.peak_mapped_bytes) / static_cast<double>(largest_step),
+                  calls);
+    } else {
+      std::printf(" %7s %6s %18s", "-", "-", "-");
+    }
+  }
+  std::printf("  %s\n", distances.empty() ? "-" : distances.c_str());
 }
 
 /// The least memory a pool of two tiers can hold on this plan, whatever its placement: a tier's
@@ -1036,9 +1153,29 @@ int run_simulated(const options& opt) {
   std::printf("waits by distance: how many stream-steps back the work waited for was issued "
               "(1: the stream-step just before: the streams run one after another)\n\n");
   print_tier_floor(p, pool_opt.small_block_limit);
-  std::printf("%-16s %4s %8s %8s %8s %8s %8s %8s %7s %7s %6s  %s\n", "pool", "lag", "crossed",
-              "preferred", "records", "queries", "waits", "skipped", "peak", "1 step", "ratio",
-              "waits by distance");
+  if (opt.vm_configured()) {
+    const cudamem::vm_resource_options defaults;
+    const cudamem::pool_options chunking = cudamem::vm_pool_chunking();
+    std::printf("vm_pool rows: handle_bytes %zu MiB, growth_bytes %zu MiB, small_chunk_size %zu "
+                "MiB, growth_step %zu MiB, physical_limit %s, grow_ahead_bytes %s (--vm-handle-mib, "
+                "--vm-growth-mib, --vm-small-chunk-mib, --vm-limit-mib, --vm-grow-ahead-mib)\n\n",
+                (opt.vm_handle_mib != 0 ? opt.vm_handle_mib * MiB : defaults.handle_bytes) / MiB,
+                (opt.vm_growth_mib != 0 ? opt.vm_growth_mib * MiB : defaults.growth_bytes) / MiB,
+                (opt.vm_small_chunk_mib != 0 ? opt.vm_small_chunk_mib * MiB
+                                             : chunking.small_chunk_size) / MiB,
+                (opt.vm_small_chunk_mib != 0 ? opt.vm_small_chunk_mib * MiB
+                                             : pool_opt.growth_step) / MiB,
+                opt.vm_limit_mib != 0 ? (std::to_string(opt.vm_limit_mib) + " MiB").c_str()
+                                      : "none",
+                opt.vm_grow_ahead_mib ? (std::to_string(*opt.vm_grow_ahead_mib) + " MiB").c_str()
+                                      : "default (0 here)");
+  }
+  std::printf("%-16s %4s %8s %8s %8s %8s %8s %8s %7s %7s %6s", "pool", "lag", "crossed",
+              "preferred", "records", "queries", "waits", "skipped", "peak", "1 step", "ratio");
+  if (opt.vm_configured()) {
+    std::printf(" %7s %6s %18s", "mapped", "m.rat.", "create/map/acc cN");
+  }
+  std::printf("  %s\n", "waits by distance");
   for (const std::size_t lag : {std::size_t{0}, std::size_t{1}, std::size_t{2}, std::size_t{4},
                                 std::size_t{8}}) {
     for (const bool vm : {false, true}) {
@@ -1051,13 +1188,19 @@ int run_simulated(const options& opt) {
         cudamem::pool_options row_opt = pool_opt;
         row_opt.cache_follows_use = !cache_kept;
         simulate(name, vm, variant == "-pre39", variant == "-complete", lag, p, opt.steps,
-                 row_opt);
+                 row_opt, opt);
       }
     }
   }
   std::printf("\npeak: the pool's reserved MiB (sampled after each stream-step's allocations); "
               "1 step: the largest stream-step's live bytes (about what cudaMalloc holds, whose "
               "frees wait for the device); ratio: peak / 1 step\n");
+  if (opt.vm_configured()) {
+    std::printf("mapped: the vm_pool's vm_resource's peak mapped MiB (whole handles and growth "
+                "batches: what the device holds); m.rat.: mapped / 1 step; create/map/acc: its "
+                "cuMemCreate / cuMemMap / cuMemSetAccess calls over both passes, cN its "
+                "compactions\n");
+  }
   return 0;
 }
 
