@@ -45,9 +45,10 @@
 //   cudaStreamWaitEvent, which costs t nothing if s is already past that point. The
 //   synchronous allocate waits on the host for such events; the synchronous deallocate
 //   promises the memory is idle. Blocks freed on different streams may merge; a merged block
-//   remembers up to 4 streams, and one freed on more is handed out after a device-wide sync.
-//   Frees on cudaStreamPerThread record their event at once (another thread cannot name that
-//   stream later).
+//   remembers up to 4 streams, and one freed on more is ordered after every stream with frees
+//   not known complete. cudaStreamPerThread (and 0 in a `--default-stream per-thread` build) is
+//   each thread's own stream, and never taken for an ended thread's (detail/stream_tag.hpp);
+//   frees on it record their event at once (another thread cannot name that stream later).
 // - Which block, across streams. When the block a request would get needs a wait for another
 //   stream's work, the pool looks a little further for one that needs none (freed on the
 //   requesting stream, known complete, or already waited for) and takes it instead; only when

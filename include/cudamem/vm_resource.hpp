@@ -130,7 +130,7 @@
 #include <cudamem/detail/vm/options.hpp>
 #include <cudamem/detail/vm/placement.hpp>
 #include <cudamem/detail/vm/stats.hpp>
-#include <cudamem/detail/vm/stream_tag.hpp>
+#include <cudamem/detail/stream_tag.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_report.hpp>

@@ -7,8 +7,10 @@
 #include "gpu_test.hpp"
 
 #include <cstdint>
+#include <future>
 #include <map>
 #include <random>
+#include <thread>
 #include <vector>
 
 using namespace cudamem;
@@ -124,6 +126,66 @@ TEST_CASE("stream order: a block freed on A is not given to B before A's work ha
   check(cudaDeviceSynchronize());
   CHECK(count_not(q, race_elements, 0xBBBBBBBBU) == 0);  // an interleaving leaves 0xAA words
   pool.deallocate(q, bytes, 256, b);
+}
+
+// cudaStreamPerThread names the calling thread's own stream (detail/stream_tag.hpp). A thread
+// frees a block on its per-thread stream while its slow kernel still writes it; a second
+// thread, on its own per-thread stream, takes the block and must be ordered after that free.
+// The first thread is either still alive or has ended: the next thread then usually gets the
+// ended one's std::thread::id, by which the pool used to tell per-thread streams apart (and
+// handed the block over with no wait).
+TEST_CASE("stream order: another thread's per-thread stream is another stream, also once that "
+          "thread has ended") {
+  device_resource device;
+  pool_resource pool{device, {.shards = 1}};
+  const bool first_ended = GENERATE(false, true);
+  CAPTURE(first_ended);
+  const std::size_t bytes = race_elements * sizeof(unsigned);
+  const stream_view per_thread = stream_view::per_thread();
+  unsigned* p = nullptr;
+  cudaEvent_t written = nullptr;
+  check(cudaEventCreateWithFlags(&written, cudaEventDisableTiming));
+  std::promise<void> freed;
+  std::promise<void> taken;
+  std::thread first{[&] {
+    check(cudaSetDevice(device.device()));
+    p = static_cast<unsigned*>(pool.allocate(bytes, 256, per_thread));
+    slow_fill<<<1, 256, 0, per_thread.get()>>>(p, race_elements, 0xAAAAAAAAU, race_spin);
+    check(cudaGetLastError());
+    check(cudaEventRecord(written, per_thread.get()));
+    pool.deallocate(p, bytes, 256, per_thread);
+    freed.set_value();
+    if (!first_ended) {
+      taken.get_future().wait();
+    }
+  }};
+  freed.get_future().wait();
+  if (first_ended) {
+    first.join();
+  }
+  // Whether the first thread's kernel was still writing when the second thread asked (the
+  // race window; a thread's end need not wait for its stream).
+  const bool window = cudaEventQuery(written) == cudaErrorNotReady;
+  static_cast<void>(cudaGetLastError());
+  CAPTURE(window);
+  unsigned* q = nullptr;
+  std::thread second{[&] {
+    check(cudaSetDevice(device.device()));
+    q = static_cast<unsigned*>(pool.allocate(bytes, 256, per_thread));
+    fast_fill<<<256, 256, 0, per_thread.get()>>>(q, race_elements, 0xBBBBBBBBU);
+    check(cudaGetLastError());
+    per_thread.synchronize();
+  }};
+  second.join();
+  if (!first_ended) {
+    taken.set_value();
+    first.join();
+  }
+  check(cudaDeviceSynchronize());
+  REQUIRE(q == p);  // the test is only meaningful when the second thread gets the very block
+  CHECK(count_not(q, race_elements, 0xBBBBBBBBU) == 0);  // an interleaving leaves 0xAA words
+  pool.deallocate(q, bytes, 256);  // synchronous: the device is idle
+  check(cudaEventDestroy(written));
 }
 
 namespace {

@@ -200,7 +200,7 @@ TEST_CASE("vm_resource (GPU): frees on the legacy stream order later users, reco
 }
 
 // cudaStreamPerThread is the same handle in every thread and a different stream in each
-// (detail/vm/stream_tag.hpp). A worker's kernels still read blocks it freed on its own
+// (detail/stream_tag.hpp). A worker's kernels still read blocks it freed on its own
 // per-thread stream; the main thread, on its per-thread stream, must not overwrite them:
 // recycled, the host waits for the worker's free; taken as it is, the device does. The worker
 // stays alive until the main thread is done, so its stream cannot be finished by its exit.

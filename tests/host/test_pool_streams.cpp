@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <map>
 #include <random>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -322,6 +323,40 @@ TEST_CASE("pool streams: waits of default streams are never remembered") {
   for (void* p : blocks) {
     pool.deallocate(p, 64 * KiB, 256, stream_view::per_thread());
   }
+}
+
+TEST_CASE("pool streams: a thread that starts after another has ended does not take its frees "
+          "as its own") {
+  // A thread frees a block on its per-thread stream and ends; its kernels may still read the
+  // block. The next thread usually gets the ended one's std::thread::id (glibc reuses the
+  // thread's descriptor), but its per-thread stream is another stream: taking the block needs
+  // a wait for the first thread's free (detail/stream_tag.hpp). The pool used to tell
+  // per-thread streams apart by thread id, and handed the block over with no wait.
+  host_stream_events events;
+  const detail::scoped_pool_stream_events use{events};
+  simulated_resource device;
+  pool_resource pool{device, one_shard()};
+
+  void* freed = nullptr;
+  std::thread::id first_thread;
+  std::thread{[&] {
+    first_thread = std::this_thread::get_id();
+    freed = pool.allocate(64 * KiB, 256, stream_view::per_thread());
+    pool.deallocate(freed, 64 * KiB, 256, stream_view::per_thread());  // recorded at once
+  }}.join();
+  CHECK(events.calls().record == 1);
+  void* taken = nullptr;
+  std::thread::id second_thread;
+  std::thread{[&] {
+    second_thread = std::this_thread::get_id();
+    taken = pool.allocate(64 * KiB, 256, stream_view::per_thread());
+    pool.deallocate(taken, 64 * KiB, 256, stream_view::per_thread());
+  }}.join();
+  INFO("the second thread had the first one's id: " << (first_thread == second_thread));
+  CHECK(taken == freed);                 // the only free block, merged with the chunk's rest
+  CHECK(events.calls().wait == 1);       // ordered after the first thread's free
+  CHECK(pool.stream_stats().cross_stream_blocks == 1);
+  CHECK(events.calls().stream_id == 0);  // a default stream's wait is never remembered
 }
 
 TEST_CASE("pool streams: the synchronous allocate waits on the host, and prefers blocks that "

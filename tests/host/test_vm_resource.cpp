@@ -393,7 +393,7 @@ TEST_CASE("vm_resource: a request on a stream recycles memory another stream fre
 
 TEST_CASE("vm_resource: cudaStreamPerThread is one stream per thread: another thread's frees on "
           "it are ordered like any other stream's, the thread's own need nothing") {
-  // The handle is the same in every thread, the stream is not (detail/vm/stream_tag.hpp). Taken
+  // The handle is the same in every thread, the stream is not (detail/stream_tag.hpp). Taken
   // by handle, the main thread would reuse or recycle what a worker freed on its own stream
   // with no wait at all while the worker's kernels may still read it.
   const cudaStream_t per_thread = cudaStreamPerThread;

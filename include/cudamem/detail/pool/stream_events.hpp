@@ -24,6 +24,7 @@
 // made by one driver are only ever given back to it.
 #pragma once
 
+#include <cudamem/detail/stream_tag.hpp>
 #include <cudamem/error.hpp>
 
 #include <cuda_runtime_api.h>
@@ -71,11 +72,6 @@ class stream_event_driver {
   stream_event_driver(const stream_event_driver&) = default;
   stream_event_driver& operator=(const stream_event_driver&) = default;
 };
-
-/// Whether `s` names a default stream: which device's it is depends on the current device.
-[[nodiscard]] inline bool is_default_stream(cudaStream_t s) noexcept {
-  return s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread;
-}
 
 /// The CUDA runtime's calls.
 class cuda_stream_event_driver final : public stream_event_driver {

@@ -19,8 +19,12 @@
 // free for t if s is already past it); the synchronous form (no stream) waits on the host.
 // A tag remembers up to 4 streams; a block merged from frees on more is ordered after every
 // stream with frees not known complete (it used to wait for the whole device, which CUDA
-// refuses while a stream is being captured). Frees on cudaStreamPerThread record their event
-// at once (another thread can never name that stream later).
+// refuses while a stream is being captured). A record is kept per stream *tag*
+// (detail/stream_tag.hpp): cudaStreamPerThread, and 0 in a `--default-stream per-thread`
+// build, is a different stream on each thread, and a thread's tag is never reused, so a thread
+// that starts after another has ended never takes that thread's pending frees as its own. Frees
+// on a thread's own stream record their event at once: no other thread can name that stream,
+// so no one could record it later.
 //
 // Waits are made once (issue 39). A stream-step of a multi-stream program takes dozens of
 // blocks another stream freed, all covered by one recording of that stream's event. Each used
@@ -39,6 +43,7 @@
 #pragma once
 
 #include <cudamem/detail/pool/stream_events.hpp>
+#include <cudamem/detail/stream_tag.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/stream.hpp>
 
@@ -49,7 +54,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <thread>
 #include <vector>
 
 namespace cudamem::detail {
@@ -67,9 +71,8 @@ struct stream_waiter {
 struct stream_record {
   static constexpr std::size_t waiter_capacity = 4;
 
-  cudaStream_t handle = nullptr;
+  cudaStream_t handle = nullptr;    ///< the stream's tag (stream_tag.hpp), not always a handle
   int device = -1;                  ///< the pool's device: a default stream's device
-  std::thread::id thread;           ///< the owner, for cudaStreamPerThread only
   std::uint64_t frees = 0;          ///< frees made on this stream so far
   cudaEvent_t event = nullptr;      ///< created when first needed
   std::uint64_t event_covers = 0;   ///< frees before the last record of `event`
@@ -78,10 +81,7 @@ struct stream_record {
   std::uint8_t next_waiter = 0;     ///< the slot the next new waiter replaces
   std::array<stream_waiter, waiter_capacity> waiters{};  ///< streams made to wait on `event`
 
-  [[nodiscard]] bool is(stream_view s) const noexcept {
-    return s.get() == handle &&
-           (handle != cudaStreamPerThread || thread == std::this_thread::get_id());
-  }
+  [[nodiscard]] bool is(stream_view s) const noexcept { return stream_tag(s.get()) == handle; }
   /// The slot remembering a wait by a stream with this handle, or nullptr.
   [[nodiscard]] stream_waiter* waiter(cudaStream_t h) noexcept {
     for (stream_waiter& w : waiters) {
@@ -197,7 +197,7 @@ class stream_ledger {
   /// more than a count (the inline fast path); nullptr otherwise.
   [[nodiscard]] stream_record* last_if(cudaStream_t handle) const noexcept {
     stream_record* rec = last_;
-    return rec != nullptr && rec->handle == handle && handle != cudaStreamPerThread &&
+    return rec != nullptr && rec->handle == handle && !names_thread_stream(handle) &&
                    !rec->retired
                ? rec
                : nullptr;
@@ -206,16 +206,20 @@ class stream_ledger {
   /// Tags `tag` with a free on `s`. On any failure, waits for `s` instead (then nothing is
   /// pending).
   void note_free(pending_frees& tag, stream_view s) noexcept {
+    stream_record* rec = nullptr;
     try {
-      stream_record& rec = record_for(s);
-      ++rec.frees;
-      if (rec.handle == cudaStreamPerThread) {
-        record_event(rec);  // no other thread can name this stream later
+      rec = &record_for(s);
+      ++rec->frees;
+      if (is_thread_tag(rec->handle)) {
+        record_event(*rec);  // no other thread can name this stream later
       }
-      tag.add(&rec, rec.frees);
+      tag.add(rec, rec->frees);
     } catch (...) {
-      report_error(driver_->synchronize_stream(s.get()),
-                   "pool_resource: waiting for the stream after failing to track a free");
+      const cudaError_t waited = driver_->synchronize_stream(s.get());
+      report_error(waited, "pool_resource: waiting for the stream after failing to track a free");
+      if (rec != nullptr && waited == cudaSuccess) {
+        rec->done = rec->frees;  // all complete: nothing on this stream is left to record
+      }
     }
   }
 
@@ -282,7 +286,7 @@ class stream_ledger {
   /// run of requests on one stream (the first request of a stream-step whose first pick would
   /// need a wait); `always` before the pool grows instead of waiting (growth costs far more).
   bool refresh(const stream_view* requester, bool always = false) {
-    const cudaStream_t who = requester != nullptr ? requester->get() : nullptr;
+    const cudaStream_t who = requester != nullptr ? stream_tag(requester->get()) : nullptr;
     if (!always && requester != nullptr && refreshed_for_ == who) {
       return false;
     }
@@ -293,7 +297,7 @@ class stream_ledger {
         continue;
       }
       if (rec->event_covers < rec->frees) {
-        if (driver_->capturing(rec->handle)) {
+        if (driver_->capturing(cuda_stream(rec->handle))) {
           continue;  // nothing can be learnt of it until its capture ends
         }
         record_event(*rec);
@@ -314,7 +318,8 @@ class stream_ledger {
   std::size_t cover_frees() {
     std::size_t recorded = 0;
     for (auto& rec : streams_) {
-      if (!rec->retired && rec->event_covers < rec->frees && !driver_->capturing(rec->handle)) {
+      if (!rec->retired && rec->frees > rec->done && rec->event_covers < rec->frees &&
+          !driver_->capturing(cuda_stream(rec->handle))) {
         record_event(*rec);
         ++recorded;
       }
@@ -365,7 +370,7 @@ class stream_ledger {
     if (n <= rec.done || (stream != nullptr && rec.is(*stream) && !rec.retired)) {
       return false;
     }
-    if (rec.event_covers < n && driver_->capturing(rec.handle)) {
+    if (rec.event_covers < n && driver_->capturing(cuda_stream(rec.handle))) {
       throw cuda_error(cudaErrorStreamCaptureUnsupported,
                        "pool_resource: a block was last freed on a stream that is now being "
                        "captured into a CUDA graph, and no event marks that free; call "
@@ -415,7 +420,8 @@ class stream_ledger {
 
   /// Records rec's event on its stream now, covering every free made on it so far.
   void record_event(stream_record& rec) {
-    driver_->record(rec.event, rec.handle, rec.device);
+    // A thread's tag is recorded at each free, on its own thread (note_free), never here later.
+    driver_->record(rec.event, cuda_stream(rec.handle), rec.device);
     ++counters_.event_records;
     rec.event_covers = rec.frees;
   }
@@ -432,9 +438,8 @@ class stream_ledger {
       }
     }
     auto fresh = std::make_unique<stream_record>();
-    fresh->handle = s.get();
+    fresh->handle = stream_tag(s.get());
     fresh->device = device_;
-    fresh->thread = std::this_thread::get_id();
     streams_.push_back(std::move(fresh));
     last_ = streams_.back().get();
     return *last_;

@@ -40,7 +40,7 @@
 #include <cudamem/detail/cuda/driver.hpp>
 #include <cudamem/detail/cuda/quiet_device_scope.hpp>
 #include <cudamem/detail/vm/mapping.hpp>
-#include <cudamem/detail/vm/stream_tag.hpp>
+#include <cudamem/detail/stream_tag.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/stream.hpp>
@@ -284,10 +284,6 @@ class driver_vm_mapping final : public vm_mapping_layer, private stream_listener
                                   " cannot access device " + std::to_string(device_) +
                                   " (no peer access between them)");
     }
-  }
-
-  static bool is_default_stream(cudaStream_t s) noexcept {
-    return s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread;
   }
 
   static CUmemAccessDesc read_write_on(int device) {
