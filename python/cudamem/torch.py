@@ -34,8 +34,9 @@ Contract
   wrong types raise TypeError; bad values ValueError (cudamem.ConfigError).
 - A failed allocation raises torch.OutOfMemoryError at the call that allocates: PyTorch's first
   line ("CUDA out of memory. Tried to allocate ..."), then cudamem's report; the program goes
-  on. torch.cuda.set_per_process_memory_fraction(f) is a limit on what tensors hold on that
-  device, and its out-of-memory error says the fraction was the cause.
+  on. torch.cuda.set_per_process_memory_fraction(f) is a limit on what tensors, MemPools and
+  CUDA graph pools hold on that device (a request it refuses may still be served by a
+  use_on_oom pool's free blocks), and its out-of-memory error says the fraction was the cause.
 - Without a C++ compiler (or with CUDAMEM_TORCH_GLUE=0) install() falls back to PyTorch's
   pluggable-allocator interface and warns: then a failed allocation raises RuntimeError with
   cudamem's report, and PyTorch's memory statistics, snapshots, CUDA graphs, the memory
