@@ -989,6 +989,18 @@ std::vector<std::string> split_list(const std::string& text) {
   return parts;
 }
 
+/// `text` as a power of two of MiB from `least` to `most`; 0 when it is not one (the caller
+/// says why and refuses it rather than round: a table never names a size the run did not use).
+std::size_t power_of_two_mib(const char* text, unsigned long long least, unsigned long long most) {
+  char* end = nullptr;
+  const unsigned long long mib = std::strtoull(text, &end, 10);
+  if (text[0] < '0' || text[0] > '9' || *end != '\0' || mib < least || mib > most ||
+      (mib & (mib - 1)) != 0) {
+    return 0;
+  }
+  return static_cast<std::size_t>(mib);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -1036,10 +1048,8 @@ int main(int argc, char** argv) {
       // so a power of two from 2 to 64. Anything else is refused rather than rounded, so that
       // a table never names a size the run did not use.
       const char* text = argv[++i];
-      char* end = nullptr;
-      const unsigned long long mib = std::strtoull(text, &end, 10);
-      if (text[0] < '0' || text[0] > '9' || *end != '\0' || mib < 2 || mib > 64 ||
-          (mib & (mib - 1)) != 0) {
+      const std::size_t mib = power_of_two_mib(text, 2, 64);
+      if (mib == 0) {
         std::fprintf(stderr,
                      "bench_fragmentation: --handle-mib %s: the handle size must be a power of "
                      "two from 2 to 64 (MiB): whole 2 MiB granules, and the pool's 64 MiB "
@@ -1047,22 +1057,20 @@ int main(int argc, char** argv) {
                      text);
         return usage();
       }
-      vm_handle_bytes = static_cast<std::size_t>(mib) * MiB;
+      vm_handle_bytes = mib * MiB;
     } else if (arg == "--small-chunk-mib" && i + 1 < argc) {
       // A power of two, at least the pool's 4 MiB small_block_limit (which must fit in a small
       // chunk); whether it is whole handles is checked once every option is read.
       const char* text = argv[++i];
-      char* end = nullptr;
-      const unsigned long long mib = std::strtoull(text, &end, 10);
-      if (text[0] < '0' || text[0] > '9' || *end != '\0' || mib < 4 || mib > (1ull << 20) ||
-          (mib & (mib - 1)) != 0) {
+      const std::size_t mib = power_of_two_mib(text, 4, 1ull << 20);
+      if (mib == 0) {
         std::fprintf(stderr,
                      "bench_fragmentation: --small-chunk-mib %s: the chunk size must be a power "
                      "of two of at least 4 (MiB): the pool's small_block_limit\n",
                      text);
         return usage();
       }
-      vm_small_chunk_bytes = static_cast<std::size_t>(mib) * MiB;
+      vm_small_chunk_bytes = mib * MiB;
     } else if (arg == "--simulated-driver-us" && i + 1 < argc) {
       const std::vector<std::string> us = split_list(argv[++i]);
       if (us.size() != 2) {

@@ -834,15 +834,23 @@ struct options {
   }
 };
 
-/// The value of a --vm-*-mib option: a power of two of at least `least` MiB, else one line
-/// and exit 2 (a table must never name a size the run did not use).
-std::size_t parse_vm_mib(const char* option, const char* text, std::size_t least) {
+/// The value of a --vm-*-mib option, a whole number of MiB: with `power_of_two`, a power of two
+/// of at least `least`; otherwise from `least` (0 or 1) up. Anything else: one line and exit 2
+/// (a table must never name a size the run did not use).
+std::size_t parse_vm_mib(const char* option, const char* text, std::size_t least,
+                         bool power_of_two = true) {
+  const unsigned long long most = power_of_two ? (1ull << 20) : (1ull << 30);
   char* end = nullptr;
   const unsigned long long mib = std::strtoull(text, &end, 10);
-  if (text[0] < '0' || text[0] > '9' || *end != '\0' || mib < least || mib > (1ull << 20) ||
-      (mib & (mib - 1)) != 0) {
-    std::fprintf(stderr, "bench_workload: %s %s: must be a power of two of at least %zu (MiB)\n",
-                 option, text, least);
+  if (text[0] < '0' || text[0] > '9' || *end != '\0' || mib < least || mib > most ||
+      (power_of_two && (mib & (mib - 1)) != 0)) {
+    if (power_of_two) {
+      std::fprintf(stderr, "bench_workload: %s %s: must be a power of two of at least %zu (MiB)\n",
+                   option, text, least);
+    } else {
+      std::fprintf(stderr, "bench_workload: %s %s: must be %s number of MiB%s\n", option, text,
+                   least == 0 ? "a" : "a positive", least == 0 ? " (0: off)" : "");
+    }
     std::exit(2);
   }
   return static_cast<std::size_t>(mib);
@@ -882,27 +890,10 @@ options parse(int argc, char** argv) {
     } else if (a == "--vm-growth-mib" && i + 1 < argc) {
       o.vm_growth_mib = parse_vm_mib("--vm-growth-mib", argv[++i], 1);
     } else if (a == "--vm-grow-ahead-mib" && i + 1 < argc) {
-      const char* text = argv[++i];
-      char* end = nullptr;
-      const unsigned long long mib = std::strtoull(text, &end, 10);
-      if (text[0] < '0' || text[0] > '9' || *end != '\0' || mib > (1ull << 30)) {
-        std::fprintf(stderr,
-                     "bench_workload: --vm-grow-ahead-mib %s: must be a number of MiB (0: off)\n",
-                     text);
-        std::exit(2);
-      }
-      o.vm_grow_ahead_mib = static_cast<std::size_t>(mib);
+      o.vm_grow_ahead_mib = parse_vm_mib("--vm-grow-ahead-mib", argv[++i], 0, false);
     } else if (a == "--vm-limit-mib" && i + 1 < argc) {
       // Any whole number of MiB; a multiple of the handle is checked below.
-      const char* text = argv[++i];
-      char* end = nullptr;
-      const unsigned long long mib = std::strtoull(text, &end, 10);
-      if (text[0] < '0' || text[0] > '9' || *end != '\0' || mib == 0 || mib > (1ull << 30)) {
-        std::fprintf(stderr, "bench_workload: --vm-limit-mib %s: must be a positive number of MiB\n",
-                     text);
-        std::exit(2);
-      }
-      o.vm_limit_mib = static_cast<std::size_t>(mib);
+      o.vm_limit_mib = parse_vm_mib("--vm-limit-mib", argv[++i], 1, false);
     } else if (a == "--vm-small-chunk-mib" && i + 1 < argc) {
       // At least the pool's small_block_limit (4 MiB), which must fit in a small chunk.
       o.vm_small_chunk_mib = parse_vm_mib("--vm-small-chunk-mib", argv[++i], 4);

@@ -39,8 +39,8 @@
 
 #include <cudamem/detail/cuda/driver.hpp>
 #include <cudamem/detail/cuda/quiet_device_scope.hpp>
-#include <cudamem/detail/vm/mapping.hpp>
 #include <cudamem/detail/stream_tag.hpp>
+#include <cudamem/detail/vm/mapping.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/stream.hpp>
