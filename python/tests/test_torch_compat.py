@@ -295,6 +295,43 @@ def test_cuda_graphs_pools_and_their_memory(allocator):
     assert v["released"] == "True"
 
 
+@pytest.mark.parametrize("reuse", [True, False])
+@pytest.mark.parametrize("allocator", ALLOCATORS)
+def test_graph_capture_record_stream_reuse(allocator, reuse):
+    # PyTorch's graph_capture_record_stream_reuse: a block freed during a capture after
+    # record_stream is reused in the same capture once the graph orders its uses first (the
+    # side stream joined), never before; without the setting, only after the capture.
+    v = run("""
+        x = torch.ones(1024, device="cuda")
+        capture_stream, side = torch.cuda.Stream(), torch.cuda.Stream()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=capture_stream):
+            a = x * 2
+            side.wait_stream(capture_stream)
+            with torch.cuda.stream(side):
+                b = a * 3                       # a read on the side stream
+            a.record_stream(side)
+            address = a.data_ptr()
+            del a
+            before_join = x * 5                 # the side stream may still read a
+            capture_stream.wait_stream(side)
+            after_join = x * 7                  # every use of a is ordered before this
+            out = after_join + before_join + b
+        ok = True
+        for value in (2.0, 3.0):
+            x.fill_(value)
+            g.replay()
+            torch.cuda.synchronize()
+            ok = ok and bool((b == 6 * value).all()) and bool((out == 24 * value).all())
+        print("before_join_reused", before_join.data_ptr() == address)
+        print("after_join_reused", after_join.data_ptr() == address)
+        print("values", ok)
+    """, allocator, env={"PYTORCH_CUDA_ALLOC_CONF": "graph_capture_record_stream_reuse:%s" % reuse})
+    assert v["values"] == "True"
+    assert v["before_join_reused"] == "False"
+    assert v["after_join_reused"] == str(reuse)
+
+
 @pytest.mark.parametrize("allocator", ALLOCATORS)
 def test_torch_compile_reduce_overhead(allocator):
     v = run("""

@@ -41,6 +41,7 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/AllocatorConfig.h>
 #include <c10/core/impl/GPUTrace.h>
+#include <c10/cuda/CUDAAllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -53,6 +54,7 @@
 #include <cuda_runtime_api.h>
 #include <cudamem_c.h>
 
+#include "capture_order.hpp"
 #include "graph_pool.hpp"
 #include "snapshot_layout.hpp"
 #include "stats.hpp"
@@ -70,6 +72,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <type_traits>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
@@ -90,6 +93,24 @@ constexpr MempoolId_t default_pool{0, 0};
 constexpr int process_allocator = 0;  // libcudamem_c's allocator 0
 
 std::string last_error() { return cudamem_last_error(); }
+
+/// PyTorch's `graph_capture_record_stream_reuse` setting (PYTORCH_CUDA_ALLOC_CONF), where the
+/// PyTorch compiled against has it (2.9 and later); false where it does not.
+template <class Config, class = void>
+struct has_capture_reuse_setting : std::false_type {};
+template <class Config>
+struct has_capture_reuse_setting<
+    Config, std::void_t<decltype(Config::graph_capture_record_stream_reuse())>>
+    : std::true_type {};
+
+bool capture_reuse_setting() {
+  using config = c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig;
+  if constexpr (has_capture_reuse_setting<config>::value) {
+    return config::graph_capture_record_stream_reuse();
+  } else {
+    return false;
+  }
+}
 
 /// A cudamem status that is not OK as PyTorch's exception (out of memory is handled apart).
 void check_status(cudamem_status s, const char* what) {
@@ -775,6 +796,9 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
     std::vector<cudaStream_t> uses;  ///< other streams (record_stream)
     bool pending = false;            ///< freed by PyTorch, waiting for `uses`
     std::vector<cudaEvent_t> events;  ///< recorded on `uses` at the free
+    /// Freed during a capture after record_stream, with graph_capture_record_stream_reuse:
+    /// the capture's last nodes on its streams then (capture_order.hpp); empty: none.
+    std::vector<cudaGraphNode_t> free_markers;
     std::string ipc_handle;           ///< shared with other processes: the handle given
     std::ptrdiff_t ipc_offset = 0;    ///< and the block's offset in what it maps
     std::vector<int> exported_fds;    ///< open while the block lives (receivers import them)
@@ -863,6 +887,7 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
   void complete_free(std::unique_lock<std::mutex>& lock, block b);
   void finish_pending_frees(std::unique_lock<std::mutex>& lock, bool wait);
   void finish_deferred(std::unique_lock<std::mutex>& lock);
+  void reclaim_in_capture(std::unique_lock<std::mutex>& lock, cudaStream_t stream);
   void wait_for_uses(block& b);
   void release_dead_pools(MempoolId_t id, bool capturing);
   void release_pool_memory(std::map<MempoolId_t, pool_state>::iterator it);
@@ -1067,6 +1092,7 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
   std::unordered_set<void*> uncached_;
   std::vector<void*> pending_;   ///< blocks waiting for their events
   std::vector<void*> deferred_;  ///< frees that wait for the captures to end
+  cudamem::torch_bridge::capture_order capture_order_;  ///< for deferred_'s free_markers
   std::map<MempoolId_t, pool_state> pools_;
   std::vector<capture> captures_;  ///< oldest first
   std::string last_oom_report_;
@@ -1112,6 +1138,9 @@ void* cudamem_torch_allocator::malloc(DeviceIndex device, std::size_t n, cudaStr
   }
   device_state& d = devices_[device];
   const MempoolId_t pool = captures_.empty() ? default_pool : route(device, stream);
+  if (pool != default_pool) {
+    reclaim_in_capture(lock, stream);
+  }
   void* p = nullptr;
   std::size_t block_size = size;
   std::string cause;
@@ -1318,6 +1347,14 @@ void cudamem_torch_allocator::free(void* ptr) {
         status != cudaStreamCaptureStatusNone;
     static_cast<void>(cudaGetLastError());
     if (!b.uses.empty() || on_capturing_stream) {
+      if (!b.uses.empty() && b.pool != default_pool && capture_reuse_setting()) {
+        // PyTorch's graph_capture_record_stream_reuse: the graph may show, at a later
+        // allocation of the capture, that every use came first (reclaim_in_capture).
+        std::vector<cudaStream_t> streams = b.uses;
+        streams.push_back(b.stream);
+        b.free_markers = cudamem::torch_bridge::capture_markers(streams).value_or(
+            std::vector<cudaGraphNode_t>{});
+      }
       deferred_.push_back(ptr);
       return;
     }
@@ -1410,8 +1447,45 @@ void cudamem_torch_allocator::wait_for_uses(block& b) {
   }
 }
 
+/// graph_capture_record_stream_reuse: the blocks of `stream` freed during this capture whose
+/// uses the capture's graph now orders before whatever `stream` captures next are free for
+/// it, with no event (capture_order.hpp). Each such block was allocated on `stream` from a
+/// graph pool, whose chunks serve their own stream alone.
+void cudamem_torch_allocator::reclaim_in_capture(std::unique_lock<std::mutex>& lock,
+                                                 cudaStream_t stream) {
+  std::vector<void*> ready;
+  for (void* p : deferred_) {
+    const auto it = live_.find(p);
+    if (it == live_.end()) {
+      continue;
+    }
+    const block& b = it->second;
+    if (b.stream == stream && !b.free_markers.empty() &&
+        capture_order_.all_before_next(stream, b.free_markers)) {
+      ready.push_back(p);
+    }
+  }
+  if (ready.empty()) {
+    return;
+  }
+  deferred_.erase(std::remove_if(deferred_.begin(), deferred_.end(),
+                                 [&](void* p) {
+                                   return std::find(ready.begin(), ready.end(), p) !=
+                                          ready.end();
+                                 }),
+                  deferred_.end());
+  for (void* p : ready) {
+    const auto it = live_.find(p);
+    block done = std::move(it->second);
+    live_.erase(it);
+    done.uses.clear();  // the graph orders them: no event to wait for
+    complete_free(lock, std::move(done));
+  }
+}
+
 /// Frees that waited for the captures to end: their events now, or the free itself.
 void cudamem_torch_allocator::finish_deferred(std::unique_lock<std::mutex>& lock) {
+  capture_order_.forget();
   std::vector<void*> deferred = std::move(deferred_);
   deferred_.clear();
   for (void* p : deferred) {
@@ -1420,6 +1494,7 @@ void cudamem_torch_allocator::finish_deferred(std::unique_lock<std::mutex>& lock
       continue;
     }
     block& b = it->second;
+    b.free_markers.clear();
     if (b.uses.empty()) {
       block done = std::move(b);
       live_.erase(it);
