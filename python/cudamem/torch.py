@@ -43,7 +43,10 @@ Contract
   fraction and IPC are not available (PyTorch raises "does not yet support").
 - Streams: PyTorch frees on the stream a tensor was allocated on; Tensor.record_stream(s)
   makes the free wait, without blocking any stream, until s's work queued before the free has
-  finished. torch.cuda.empty_cache() gives wholly free memory back to the device.
+  finished. During a CUDA graph capture such a free waits for the capture's end, or, with
+  PyTorch's graph_capture_record_stream_reuse setting, until the capture's graph orders the
+  uses first (as PyTorch's own allocator does). torch.cuda.empty_cache() gives wholly free
+  memory back to the device.
 - pool(resource, **options) is a torch.cuda.MemPool on an allocator of its own (up to 15);
   its memory comes from that cudamem allocator, and an out-of-memory in it is PyTorch's own
   torch.OutOfMemoryError; last_oom_report(pool) has cudamem's side.
