@@ -28,11 +28,12 @@
 // - Call only while the streams named are being captured, or are not (then capture_markers
 //   returns nullopt: the free must wait for the capture to end). No event is recorded or
 //   queried: only the capture's own graph is read, which is allowed during a capture.
-// - A CUDA error other than "not captured" throws c10's error (C10_CUDA_CHECK).
+// - Never throws a CUDA error: the free path runs in tensors' destructors. A call that fails
+//   (a capture invalidated meanwhile...) counts as "not shown to be ordered", so the block
+//   waits for the capture's end as it would without the setting; the error is cleared.
 // - Not thread-safe: the allocator's lock guards it.
 #pragma once
 
-#include <c10/cuda/CUDAException.h>
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
@@ -53,41 +54,50 @@ struct capture_point {
   std::size_t count = 0;
 };
 
+/// Where `stream`'s capture stands; not capturing also when the query fails.
 inline capture_point capture_point_of(cudaStream_t stream) {
   capture_point p;
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
 #if CUDART_VERSION >= 13000
-  C10_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, &p.id, &p.graph, &p.dependencies,
-                                          nullptr, &p.count));
+  const cudaError_t e = cudaStreamGetCaptureInfo(stream, &status, &p.id, &p.graph,
+                                                 &p.dependencies, nullptr, &p.count);
 #else
-  C10_CUDA_CHECK(cudaStreamGetCaptureInfo_v2(stream, &status, &p.id, &p.graph, &p.dependencies,
-                                             &p.count));
+  const cudaError_t e = cudaStreamGetCaptureInfo_v2(stream, &status, &p.id, &p.graph,
+                                                    &p.dependencies, &p.count);
 #endif
+  if (e != cudaSuccess) {
+    static_cast<void>(cudaGetLastError());
+    return capture_point{};
+  }
   p.capturing = status == cudaStreamCaptureStatusActive;
   return p;
 }
 
-/// The nodes `node` depends on directly.
-inline std::vector<cudaGraphNode_t> graph_parents(cudaGraphNode_t node) {
+/// The nodes `node` depends on directly, into `parents`; false when the query fails.
+inline bool graph_parents(cudaGraphNode_t node, std::vector<cudaGraphNode_t>& parents) {
   std::size_t count = 0;
 #if CUDART_VERSION >= 13000
   // Edge data must be asked for: edges with data of their own (programmatic launches) make a
   // query without it fail as lossy.
-  C10_CUDA_CHECK(cudaGraphNodeGetDependencies(node, nullptr, nullptr, &count));
-  std::vector<cudaGraphNode_t> parents(count);
+  cudaError_t e = cudaGraphNodeGetDependencies(node, nullptr, nullptr, &count);
+  parents.assign(count, nullptr);
   std::vector<cudaGraphEdgeData> edges(count);
-  if (count != 0) {
-    C10_CUDA_CHECK(cudaGraphNodeGetDependencies(node, parents.data(), edges.data(), &count));
+  if (e == cudaSuccess && count != 0) {
+    e = cudaGraphNodeGetDependencies(node, parents.data(), edges.data(), &count);
   }
 #else
-  C10_CUDA_CHECK(cudaGraphNodeGetDependencies(node, nullptr, &count));
-  std::vector<cudaGraphNode_t> parents(count);
-  if (count != 0) {
-    C10_CUDA_CHECK(cudaGraphNodeGetDependencies(node, parents.data(), &count));
+  cudaError_t e = cudaGraphNodeGetDependencies(node, nullptr, &count);
+  parents.assign(count, nullptr);
+  if (e == cudaSuccess && count != 0) {
+    e = cudaGraphNodeGetDependencies(node, parents.data(), &count);
   }
 #endif
+  if (e != cudaSuccess) {
+    static_cast<void>(cudaGetLastError());
+    return false;
+  }
   parents.resize(count);
-  return parents;
+  return true;
 }
 
 /// The markers of a free during a capture: the dependencies of every stream in `streams`, or
@@ -124,15 +134,18 @@ class capture_order {
     }
     std::unordered_set<cudaGraphNode_t>& before = before_[{p.id, stream}];
     std::vector<cudaGraphNode_t> walk(p.dependencies, p.dependencies + p.count);
+    std::vector<cudaGraphNode_t> parents;
     while (!walk.empty()) {
       const cudaGraphNode_t node = walk.back();
       walk.pop_back();
-      if (!before.insert(node).second) {
+      if (before.count(node) != 0) {
         continue;  // seen: so is everything before it
       }
-      for (const cudaGraphNode_t parent : graph_parents(node)) {
-        walk.push_back(parent);
+      if (!graph_parents(node, parents)) {
+        return false;  // the node is not recorded: a later walk tries it again
       }
+      before.insert(node);
+      walk.insert(walk.end(), parents.begin(), parents.end());
     }
     for (const cudaGraphNode_t m : markers) {
       if (before.count(m) == 0) {
