@@ -163,6 +163,13 @@ class device_stack {
       const vm_pool_stats v = vm_pool_->vm_stats();
       s.reserved_bytes = v.mapped_bytes;  // physical memory held, free or not
       s.peak_reserved_bytes = v.peak_mapped_bytes;
+      if (vm_pool_->uses_plain_memory()) {
+        // Under compute-sanitizer the pool's chunks and the large blocks are cudaMalloc'd and
+        // the vm_resource holds nothing: reserved is what those hold. Their peaks are kept
+        // apart, so the peak given is their sum: never less than the true one.
+        s.reserved_bytes = r.reserved_bytes;
+        s.peak_reserved_bytes = vm_pool_->pool().peak_reserved_bytes() + v.large_peak_bytes;
+      }
       s.segments = vm_pool_->held_ranges().size();
       s.device_allocations = v.handles_created;
       s.device_frees = v.handles_created - v.handles;  // every handle made and not held now

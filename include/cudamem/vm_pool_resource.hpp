@@ -163,6 +163,7 @@ struct vm_pool_options : vm_resource_options {
 /// What a vm_pool_resource holds: the upstream's virtual-memory figures, the pool's blocks.
 struct vm_pool_stats : vm_resource_stats {
   std::size_t large_used_bytes = 0;      ///< blocks of a handle or more (the upstream's)
+  std::size_t large_peak_bytes = 0;      ///< the most large_used_bytes has been
   std::size_t pool_used_bytes = 0;       ///< blocks handed out by the pool
   std::size_t pool_free_bytes = 0;       ///< free in the pool's chunks
   std::size_t pool_largest_free_block = 0;
@@ -216,6 +217,7 @@ class vm_pool_resource final : public memory_resource {
     {
       const std::lock_guard lock(large_mutex_);
       s.large_used_bytes = large_used_;
+      s.large_peak_bytes = large_peak_;
     }
     const resource_stats p = pool_.stats();
     s.pool_used_bytes = p.used_bytes;

@@ -269,7 +269,10 @@ TEST_CASE("vm_pool (GPU): destruction gives every byte back to the device", "[fr
     }
     void* big = pool.allocate(512 * MiB, 256, stream_view{});
     check(cudaMemset(big, 7, 512 * MiB));
-    CHECK(cudamem_test::free_device_memory() < baseline - 2048 * MiB);
+    // Virtual memory holds the 32 blocks' handles (2 GiB), recycled for `big`; under
+    // compute-sanitizer the blocks are cudaMalloc'd and the freed ones gone: 1.5 GiB live.
+    const std::size_t held = pool.uses_plain_memory() ? 1024 * MiB : 2048 * MiB;
+    CHECK(cudamem_test::free_device_memory() < baseline - held);
     pool.deallocate(big, 512 * MiB, 256, stream_view{});
     for (int i = 1; i < 32; i += 2) {
       pool.deallocate(blocks[i], 64 * MiB, 256, stream_view{});
@@ -319,7 +322,9 @@ TEST_CASE("vm_pool (GPU): swiss cheese over the whole device reuses >= 0.99 of t
       pool.deallocate(p, 64 * MiB, 256, stream_view{});
     }
   }
-  CHECK(pool.release() > 0);
+  if (!pool.uses_plain_memory()) {  // under compute-sanitizer every block went back at its free
+    CHECK(pool.release() > 0);
+  }
 }
 
 // Fills the device to the first failure (cuMemCreate answers CUDA_ERROR_OUT_OF_MEMORY) on
@@ -396,6 +401,10 @@ TEST_CASE("vm_pool (GPU): peers get access; bad devices and peers are refused") 
 TEST_CASE("vm_pool (GPU): memory its growth thread made ahead is memory kernels can use") {
   // The default over a real device: a quarter of what it holds is made ahead, up to 4 GiB.
   vm_pool_resource pool{0};
+  if (pool.uses_plain_memory()) {
+    WARN("under compute-sanitizer vm_pool takes cudaMalloc memory: nothing is made ahead");
+    return;
+  }
   stream s;
   constexpr int count_blocks = 64;  // 4 GiB in blocks of a handle: straight to the upstream
   std::vector<void*> blocks;
@@ -439,6 +448,10 @@ TEST_CASE("vm_pool (GPU): grow_ahead_bytes 0 makes nothing ahead") {
   vm_pool_options o;
   o.grow_ahead_bytes = 0;
   vm_pool_resource pool{0, o};
+  if (pool.uses_plain_memory()) {
+    WARN("under compute-sanitizer vm_pool takes cudaMalloc memory: nothing is mapped");
+    return;
+  }
   void* p = pool.allocate(64 * MiB, 256, stream_view{});
   pool.upstream_vm().wait_for_growth();
   CHECK(pool.vm_stats().handles_created_ahead == 0);
