@@ -73,7 +73,11 @@ void recycle_while_a_kernel_reads(Resource& memory, stream_view reader, stream_v
   memory.deallocate(blocks[0], 64 * MiB, 256, reader);
   memory.deallocate(blocks[2], 64 * MiB, 256, reader);
   void* big = memory.allocate(128 * MiB, 256, writer);  // both holes, remapped together
-  CHECK(memory.vm_stats().compactions == 1);
+  bool plain = false;  // under compute-sanitizer a vm_pool's blocks are cudaMalloc'd
+  if constexpr (requires { memory.uses_plain_memory(); }) {
+    plain = memory.uses_plain_memory();
+  }
+  CHECK(memory.vm_stats().compactions == (plain ? 0U : 1U));
   if (no_host_wait) {
     CHECK(cudaStreamQuery(reader.get()) == cudaErrorNotReady);  // the kernels still run
     static_cast<void>(cudaGetLastError());
