@@ -72,8 +72,8 @@
 #include <mutex>
 #include <optional>
 #include <set>
-#include <type_traits>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
