@@ -1093,6 +1093,9 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
   std::vector<void*> pending_;   ///< blocks waiting for their events
   std::vector<void*> deferred_;  ///< frees that wait for the captures to end
   cudamem::torch_bridge::capture_order capture_order_;  ///< for deferred_'s free_markers
+  /// How many of deferred_ have free_markers: at least that many, never fewer (a pool's
+  /// release may drop some unseen; the next reclaim_in_capture recounts).
+  std::size_t deferred_with_markers_ = 0;
   std::map<MempoolId_t, pool_state> pools_;
   std::vector<capture> captures_;  ///< oldest first
   std::string last_oom_report_;
@@ -1354,6 +1357,7 @@ void cudamem_torch_allocator::free(void* ptr) {
         streams.push_back(b.stream);
         b.free_markers = cudamem::torch_bridge::capture_markers(streams).value_or(
             std::vector<cudaGraphNode_t>{});
+        deferred_with_markers_ += b.free_markers.empty() ? 0 : 1;
       }
       deferred_.push_back(ptr);
       return;
@@ -1453,31 +1457,31 @@ void cudamem_torch_allocator::wait_for_uses(block& b) {
 /// graph pool, whose chunks serve their own stream alone.
 void cudamem_torch_allocator::reclaim_in_capture(std::unique_lock<std::mutex>& lock,
                                                  cudaStream_t stream) {
-  std::vector<void*> ready;
+  if (deferred_with_markers_ == 0) {
+    return;  // the common case (no record_stream free in this capture): no lookups at all
+  }
+  // One pass: the ready blocks leave live_ and deferred_ together, before any is completed.
+  std::vector<block> ready;
+  std::size_t still_marked = 0;
+  auto kept = deferred_.begin();
   for (void* p : deferred_) {
     const auto it = live_.find(p);
     if (it == live_.end()) {
-      continue;
+      continue;  // already gone with its pool
     }
-    const block& b = it->second;
+    block& b = it->second;
     if (b.stream == stream && !b.free_markers.empty() &&
         capture_order_.all_before_next(stream, b.free_markers)) {
-      ready.push_back(p);
+      ready.push_back(std::move(b));
+      live_.erase(it);
+      continue;
     }
+    still_marked += b.free_markers.empty() ? 0 : 1;
+    *kept++ = p;
   }
-  if (ready.empty()) {
-    return;
-  }
-  deferred_.erase(std::remove_if(deferred_.begin(), deferred_.end(),
-                                 [&](void* p) {
-                                   return std::find(ready.begin(), ready.end(), p) !=
-                                          ready.end();
-                                 }),
-                  deferred_.end());
-  for (void* p : ready) {
-    const auto it = live_.find(p);
-    block done = std::move(it->second);
-    live_.erase(it);
+  deferred_.erase(kept, deferred_.end());
+  deferred_with_markers_ = still_marked;
+  for (block& done : ready) {
     done.uses.clear();  // the graph orders them: no event to wait for
     complete_free(lock, std::move(done));
   }
@@ -1488,6 +1492,7 @@ void cudamem_torch_allocator::finish_deferred(std::unique_lock<std::mutex>& lock
   capture_order_.forget();
   std::vector<void*> deferred = std::move(deferred_);
   deferred_.clear();
+  deferred_with_markers_ = 0;
   for (void* p : deferred) {
     auto it = live_.find(p);
     if (it == live_.end()) {
