@@ -103,7 +103,9 @@
 //   memory (tests/gpu/sanitizer: oob-vm_pool, uaf-vm_pool, and the same for large blocks). What
 //   this costs under the tool: freed memory is not recycled across handles (the device may
 //   run out where the vm_pool would not), a large block's alignment is at most 256 bytes,
-//   vm_stats() shows an empty vm_resource, and uses_plain_memory() says so.
+//   vm_stats() shows an empty vm_resource, and uses_plain_memory() says so. `physical_limit`
+//   still holds: the cudaMalloc'd chunks and large blocks together stay within it (a
+//   limiting_adaptor between the pool and cudaMalloc; verdict `budget`, as without the tool).
 //   CUDAMEM_VM_UNDER_SANITIZER=vmm keeps virtual memory under the tool, unchecked.
 #pragma once
 
@@ -112,6 +114,7 @@
 #include <cudamem/detail/vm/driver_mapping.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/device_resource.hpp>
+#include <cudamem/limiting_adaptor.hpp>
 #include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
@@ -187,9 +190,9 @@ class vm_pool_resource final : public memory_resource {
       : memory_resource(memory_kind::device, layer ? layer->device() : -1),
         vm_(std::move(layer), static_cast<const vm_resource_options&>(options)),
         adaptor_(make_adaptor(vm_, options.upstream_adaptor)),
-        plain_(plain_memory_under_sanitizer(vm_, adaptor_ != nullptr)),
+        plain_(plain_memory_under_sanitizer(vm_, adaptor_ != nullptr, options.physical_limit)),
         source_(adaptor_  ? adaptor_.get()
-                : plain_  ? static_cast<memory_resource*>(plain_.get())
+                : plain_  ? &plain_->source()
                           : static_cast<memory_resource*>(&vm_)),
         pool_(*source_, options.pool),
         large_(vm_.handle_bytes()) {}
@@ -379,6 +382,12 @@ class vm_pool_resource final : public memory_resource {
   // Advice on its own failures (memory_report asks): what release() and the options can do.
   std::string do_oom_hint(const memory_report& report, std::size_t /*position*/) const override {
     const vm_pool_stats s = vm_stats();
+    if (plain_ != nullptr && plain_->budget && report.verdict == oom_verdict::budget) {
+      return "Under compute-sanitizer this vm_pool_resource takes cudaMalloc'd memory, at most " +
+             format_bytes(plain_->budget->budget()) + " of it (vm_pool_options::physical_limit), "
+             "and holds " + format_bytes(plain_->budget->used_bytes()) + ": raise "
+             "physical_limit, or free blocks before this request.";
+    }
     const resource_stats& vm = report.chain.back().stats;  // the upstream vm_resource
     if (report.verdict == oom_verdict::budget && vm.budget &&
         vm.used_bytes + report.requested_bytes > *vm.budget) {
@@ -402,16 +411,31 @@ class vm_pool_resource final : public memory_resource {
            "long-lived blocks, or allocate the largest buffers first.";
   }
 
+  /// Plain device memory for the pool's chunks and the large blocks, held to physical_limit
+  /// when there is one (counted in the bytes handed out, where a vm_resource counts handles).
+  struct plain_memory {
+    plain_memory(int device, std::optional<std::size_t> limit) : device_memory(device) {
+      if (limit) {
+        budget.emplace(device_memory, *limit);
+      }
+    }
+    memory_resource& source() noexcept {
+      return budget ? static_cast<memory_resource&>(*budget) : device_memory;
+    }
+    device_resource device_memory;
+    std::optional<limiting_adaptor> budget;
+  };
+
   /// Under compute-sanitizer, with no adaptor of the caller's, over the real driver: plain
-  /// device memory for the pool's chunks and the large blocks (see the contract); else none.
-  static std::unique_ptr<device_resource> plain_memory_under_sanitizer(const vm_resource& vm,
-                                                                        bool has_adaptor) {
+  /// memory (see the contract); else none.
+  static std::unique_ptr<plain_memory> plain_memory_under_sanitizer(
+      const vm_resource& vm, bool has_adaptor, std::optional<std::size_t> limit) {
     const bool real_device =
         dynamic_cast<const detail::driver_vm_mapping*>(&vm.mapping_layer()) != nullptr;
     if (has_adaptor || !real_device || !detail::compute_sanitizer_attached()) {
       return nullptr;
     }
-    return std::make_unique<device_resource>(vm.device());
+    return std::make_unique<plain_memory>(vm.device(), limit);
   }
 
   /// Calls the factory and checks that what it made leads to `vm`.
@@ -436,7 +460,7 @@ class vm_pool_resource final : public memory_resource {
 
   vm_resource vm_;
   std::unique_ptr<memory_resource> adaptor_;  ///< options.upstream_adaptor's, or none
-  std::unique_ptr<device_resource> plain_;    ///< under compute-sanitizer: cudaMalloc
+  std::unique_ptr<plain_memory> plain_;       ///< under compute-sanitizer: cudaMalloc
   memory_resource* source_;  ///< where chunks and large blocks come from: adaptor_, plain_, vm_
   pool_resource pool_;
   std::size_t large_;  ///< blocks of this many bytes or more are the upstream's (a handle)

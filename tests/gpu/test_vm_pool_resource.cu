@@ -104,6 +104,34 @@ TEST_CASE("vm_pool (GPU): recycled memory is not overwritten while a kernel stil
   recycle_while_a_kernel_reads(pool, reader, writer);
 }
 
+// physical_limit bounds what the vm_pool holds from the device in both of its modes: virtual
+// memory, and the cudaMalloc'd memory it takes under compute-sanitizer (tests/gpu/sanitize.sh
+// runs this binary under the tool). A request past it fails with the verdict `budget` and the
+// vm_pool's own advice, and loses nothing: the same requests succeed once blocks are freed.
+TEST_CASE("vm_pool (GPU): physical_limit holds, under compute-sanitizer too") {
+  vm_pool_resource pool{0, limited(32 * MiB, 128 * MiB)};
+  CAPTURE(pool.uses_plain_memory());
+  void* a = pool.allocate(96 * MiB);
+  try {
+    static_cast<void>(pool.allocate(64 * MiB));
+    FAIL("64 MiB more than a 128 MiB limit with 96 MiB in use was allowed");
+  } catch (const out_of_memory& e) {
+    CHECK(e.verdict() == oom_verdict::budget);
+    CHECK(e.report().hint().find("physical_limit") != std::string::npos);
+  }
+  void* b = pool.allocate(32 * MiB);  // exactly up to the limit
+  check(cudaMemset(a, 1, 96 * MiB));
+  check(cudaMemset(b, 2, 32 * MiB));
+  check(cudaDeviceSynchronize());
+  pool.deallocate(b, 32 * MiB);
+  pool.deallocate(a, 96 * MiB);
+  void* whole = pool.allocate(128 * MiB);  // all of it, once the blocks are back
+  check(cudaMemset(whole, 3, 128 * MiB));
+  check(cudaDeviceSynchronize());
+  pool.deallocate(whole, 128 * MiB);
+  CHECK(pool.stats().used_bytes == 0);
+}
+
 // The upstream alone, freeing on a stream: recycling a handle whose last use is a running kernel
 // must wait for that kernel (on the host) before the handle is mapped anywhere else.
 TEST_CASE("vm_resource (GPU): a handle freed on a stream is recycled only after its work") {
