@@ -83,6 +83,15 @@
 //   upstream has grown and recycled as far as it can; its report names both, and its hint
 //   (for fragmentation: what release() and the options can and cannot do; over
 //   physical_limit: that limit) is this resource's own.
+// - Bulk blocks (`bulk_handle_bytes`, 0 by default): a block whose size is a whole multiple of
+//   it comes from a second vm_resource of handles that big (same options); all else is placed
+//   as before. Why: cuMemSetAccess is paid per handle (~34 µs), so a 128 MiB block remapped from
+//   freed memory costs 32 in 4 MiB handles, 4 in 32 MiB ones, while small handles strand less
+//   beside blocks of other sizes (bench/README.md, "Handle size"); a bulk block is whole handles,
+//   nothing at its end. When either resource cannot supply, the other gives back its wholly free
+//   handles (release()) and the request is tried once more. When there is none, and the bad
+//   values (`std::invalid_argument`): detail/vm/pool_sources.hpp, make_bulk_vm. vm_stats().bulk,
+//   release(), trim(), held_ranges() and add_peer() cover it.
 // - stats(): reserved and used bytes are the pool's chunks plus the large blocks (the peak is
 //   the sum of both peaks, an upper bound); free blocks are the pool's.
 // - `upstream_adaptor` (optional): called once by the constructor with the vm_resource; what
@@ -112,9 +121,10 @@
 #include <cudamem/detail/nvtx.hpp>
 #include <cudamem/detail/spare_nodes.hpp>
 #include <cudamem/detail/vm/driver_mapping.hpp>
+#include <cudamem/detail/vm/pool_options.hpp>
+#include <cudamem/detail/vm/pool_sources.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/device_resource.hpp>
-#include <cudamem/limiting_adaptor.hpp>
 #include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
@@ -138,62 +148,37 @@
 
 namespace cudamem {
 
-/// The pool's chunking under a vm_resource: requests up to 4 MiB share 64 MiB small chunks
-/// (one handle each), so long-lived blocks of up to 4 MiB never sit in the chunks that medium
-/// blocks come and go in; medium requests use 64 MiB chunks (blocks of 64 MiB and more do not
-/// reach the pool). Every chunk is whole handles, so a wholly free chunk is wholly recyclable.
-/// The front-end cache follows use (see the header comment).
-[[nodiscard]] inline pool_options vm_pool_chunking() noexcept {
-  pool_options o;
-  o.small_block_limit = std::size_t{4} << 20;
-  o.small_chunk_size = std::size_t{64} << 20;
-  o.growth_step = std::size_t{64} << 20;
-  o.cache_follows_use = true;
-  return o;
-}
-
-/// How to build a vm_pool_resource: the upstream's options (handle and growth sizes,
-/// reservations, physical limit, peers; see vm_resource_options) and the pool's.
-struct vm_pool_options : vm_resource_options {
-  /// The pool's options (see vm_pool_chunking). Keep chunk sizes multiples of handle_bytes,
-  /// so a wholly free chunk is whole handles the upstream can recycle.
-  pool_options pool = vm_pool_chunking();
-  /// Optional: makes the adaptor that the pool's chunks and the large blocks pass through,
-  /// over the vm_resource it is given (see the contract). Empty: none.
-  std::function<std::unique_ptr<memory_resource>(vm_resource&)> upstream_adaptor;
-};
-
-/// What a vm_pool_resource holds: the upstream's virtual-memory figures, the pool's blocks.
-struct vm_pool_stats : vm_resource_stats {
-  std::size_t large_used_bytes = 0;      ///< blocks of a handle or more (the upstream's)
-  std::size_t large_peak_bytes = 0;      ///< the most large_used_bytes has been
-  std::size_t pool_used_bytes = 0;       ///< blocks handed out by the pool
-  std::size_t pool_free_bytes = 0;       ///< free in the pool's chunks
-  std::size_t pool_largest_free_block = 0;
-  std::size_t pool_chunks = 0;           ///< chunks the pool holds from the upstream
-};
-
 /// A pool_resource over a vm_resource; see the contract above.
 class vm_pool_resource final : public memory_resource {
  public:
   /// A pool on `device` (the current device by default).
   explicit vm_pool_resource(int device = -1, vm_pool_options options = {},
                             std::source_location where = std::source_location::current())
-      : vm_pool_resource(std::make_unique<detail::driver_vm_mapping>(
-                             device >= 0 ? device : current_device(), options.peers,
-                             options.exportable, where),
+      : vm_pool_resource(driver_layer(device, options, where),
+                         options.bulk_handle_bytes != 0 && !options.physical_limit
+                             ? driver_layer(device, options, where)
+                             : nullptr,
                          options) {}
 
   /// A pool over any mapping layer (tests: detail::simulated_vm_mapping).
   explicit vm_pool_resource(std::unique_ptr<detail::vm_mapping_layer> layer,
                             vm_pool_options options = {})
+      : vm_pool_resource(std::move(layer), nullptr, std::move(options)) {}
+
+  /// The same, with a second layer for the bulk blocks' vm_resource (bulk_handle_bytes; tests
+  /// give two simulated layers one device: simulated_vm_options::physical).
+  vm_pool_resource(std::unique_ptr<detail::vm_mapping_layer> layer,
+                   std::unique_ptr<detail::vm_mapping_layer> bulk_layer, vm_pool_options options)
       : memory_resource(memory_kind::device, layer ? layer->device() : -1),
         vm_(std::move(layer), static_cast<const vm_resource_options&>(options)),
-        adaptor_(make_adaptor(vm_, options.upstream_adaptor)),
-        plain_(plain_memory_under_sanitizer(vm_, adaptor_ != nullptr, options.physical_limit)),
+        adaptor_(detail::make_pool_adaptor(vm_, options.upstream_adaptor)),
+        plain_(detail::plain_memory_under_sanitizer(vm_, adaptor_ != nullptr,
+                                                    options.physical_limit)),
         source_(adaptor_  ? adaptor_.get()
                 : plain_  ? &plain_->source()
                           : static_cast<memory_resource*>(&vm_)),
+        bulk_(detail::make_bulk_vm(vm_, std::move(bulk_layer), options.bulk_handle_bytes,
+                                   source_ != &vm_)),
         pool_(*source_, options.pool),
         large_(vm_.handle_bytes()) {}
 
@@ -205,18 +190,21 @@ class vm_pool_resource final : public memory_resource {
   /// handles back to the driver; returns the physical bytes given back.
   std::size_t release() {
     pool_.release();
-    return vm_.release();
+    return vm_.release() + (bulk_ ? bulk_->release() : 0);
   }
 
   /// Gives back what the upstream holds ahead of need (vm_resource::trim: memory made ahead
   /// and not used, vm_stats().held_ahead_bytes); returns the bytes. Another resource of the
   /// process short of device memory has this done before it fails.
-  std::size_t trim() { return vm_.trim(); }
+  std::size_t trim() { return vm_.trim() + (bulk_ ? bulk_->trim() : 0); }
 
   /// The upstream's virtual-memory figures and the pool's blocks (walks lists: not for hot loops).
   [[nodiscard]] vm_pool_stats vm_stats() const {
     vm_pool_stats s;
     static_cast<vm_resource_stats&>(s) = vm_.vm_stats();
+    if (bulk_) {
+      s.bulk = bulk_->vm_stats();
+    }
     {
       const std::lock_guard lock(large_mutex_);
       s.large_used_bytes = large_used_;
@@ -234,11 +222,15 @@ class vm_pool_resource final : public memory_resource {
   /// virtual memory; under compute-sanitizer (uses_plain_memory()), the cudaMalloc'd chunks
   /// and large blocks. (A memory snapshot's segments.)
   [[nodiscard]] std::vector<std::pair<std::uintptr_t, std::size_t>> held_ranges() const {
+    std::vector<std::pair<std::uintptr_t, std::size_t>> out;
     if (plain_ == nullptr) {
-      return vm_.mapped_ranges();
-    }
-    std::vector<std::pair<std::uintptr_t, std::size_t>> out = pool_.chunk_ranges();
-    {
+      out = vm_.mapped_ranges();
+      if (bulk_) {
+        const auto bulk = bulk_->mapped_ranges();
+        out.insert(out.end(), bulk.begin(), bulk.end());
+      }
+    } else {
+      out = pool_.chunk_ranges();
       const std::lock_guard lock(large_mutex_);
       out.insert(out.end(), large_blocks_.begin(), large_blocks_.end());
     }
@@ -252,11 +244,29 @@ class vm_pool_resource final : public memory_resource {
   void add_peer(int device) {
     if (plain_ == nullptr) {
       vm_.add_peer(device);
+      if (bulk_) {
+        bulk_->add_peer(device);
+      }
     }
   }
 
   [[nodiscard]] pool_resource& pool() noexcept { return pool_; }
   [[nodiscard]] vm_resource& upstream_vm() noexcept { return vm_; }
+  /// The bulk blocks' vm_resource (bulk_handle_bytes), or nullptr when there is none.
+  [[nodiscard]] vm_resource* bulk_vm() noexcept { return bulk_.get(); }
+  /// The vm_resource that has `p` mapped: the bulk one, or upstream_vm() (for export of any
+  /// range: vm_resource::handles_covering).
+  [[nodiscard]] vm_resource& upstream_vm_of(const void* p) {
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
+    if (bulk_) {
+      for (const auto& [start, bytes] : bulk_->mapped_ranges()) {
+        if (address >= start && address - start < bytes) {
+          return *bulk_;
+        }
+      }
+    }
+    return vm_;
+  }
   /// What options.upstream_adaptor made, or nullptr when it was empty.
   [[nodiscard]] memory_resource* upstream_adaptor() const noexcept { return adaptor_.get(); }
   /// Whether its memory is plain cudaMalloc'd memory rather than virtual memory: true while
@@ -268,6 +278,13 @@ class vm_pool_resource final : public memory_resource {
   }
 
  private:
+  static std::unique_ptr<detail::vm_mapping_layer> driver_layer(int device,
+                                                                const vm_pool_options& o,
+                                                                std::source_location where) {
+    return std::make_unique<detail::driver_vm_mapping>(device >= 0 ? device : current_device(),
+                                                       o.peers, o.exportable, where);
+  }
+
   // A failure is reported from here, so the report's chain starts at the resource the caller
   // used (this, then the upstream) and keeps the cause. The pool's and the upstream's own
   // failures carry only their cause (detail::discarded_report_scope): one report per failed
@@ -276,29 +293,19 @@ class vm_pool_resource final : public memory_resource {
     if (bytes >= large_) {
       return allocate_large(bytes, alignment, &stream);
     }
-    try {
-      const detail::discarded_report_scope discarded{pool_};
-      return allocate_checked(pool_, bytes, alignment, stream);  // checked by our allocate
-    } catch (const out_of_memory& e) {
-      throw_out_of_memory(*this, bytes, alignment, e.report().cause);
-    }
+    return allocate_small(bytes, alignment, &stream);
   }
   void* do_allocate_sync(std::size_t bytes, std::size_t alignment) override {
     if (bytes >= large_) {
       return allocate_large(bytes, alignment, nullptr);
     }
-    try {
-      const detail::discarded_report_scope discarded{pool_};
-      return allocate_checked(pool_, bytes, alignment);
-    } catch (const out_of_memory& e) {
-      throw_out_of_memory(*this, bytes, alignment, e.report().cause);
-    }
+    return allocate_small(bytes, alignment, nullptr);
   }
   void do_deallocate(void* p, std::size_t bytes, std::size_t alignment,
                      stream_view stream) noexcept override {
     if (bytes >= large_) {
-      if (forget_large(p)) {
-        source_->deallocate(p, bytes, alignment, stream);
+      if (const std::optional<std::size_t> recorded = forget_large(p)) {
+        large_source(*recorded).deallocate(p, bytes, alignment, stream);
       }
       return;
     }
@@ -306,27 +313,63 @@ class vm_pool_resource final : public memory_resource {
   }
   void do_deallocate_sync(void* p, std::size_t bytes, std::size_t alignment) noexcept override {
     if (bytes >= large_) {
-      if (forget_large(p)) {
-        source_->deallocate(p, bytes, alignment);
+      if (const std::optional<std::size_t> recorded = forget_large(p)) {
+        large_source(*recorded).deallocate(p, bytes, alignment);
       }
       return;
     }
     pool_.deallocate(p, bytes, alignment);
   }
 
-  /// A block of a handle or more, from the upstream; `stream` null: the synchronous form. If
-  /// the upstream cannot supply it, the pool gives back its wholly free chunks first.
-  void* allocate_large(std::size_t bytes, std::size_t alignment, const stream_view* stream) {
+  /// Where a block of a handle or more comes from: the bulk vm_resource for whole multiples
+  /// of its handle, else the upstream (the vm_resource, the caller's adaptor, or plain memory).
+  [[nodiscard]] memory_resource& large_source(std::size_t bytes) const noexcept {
+    return bulk_ && bytes % bulk_->handle_bytes() == 0 ? static_cast<memory_resource&>(*bulk_)
+                                                       : *source_;
+  }
+
+  /// A block from the pool; `stream` null: the synchronous form. If the pool cannot have a
+  /// chunk (it gave back its wholly free ones first), the bulk resource gives back its wholly
+  /// free handles, and the pool asks once more.
+  void* allocate_small(std::size_t bytes, std::size_t alignment, const stream_view* stream) {
     const auto ask = [&] {
-      const detail::discarded_report_scope discarded{*source_};  // reported from here, if at all
-      return stream != nullptr ? allocate_checked(*source_, bytes, alignment, *stream)
-                               : allocate_checked(*source_, bytes, alignment);
+      const detail::discarded_report_scope discarded{pool_};
+      return stream != nullptr ? allocate_checked(pool_, bytes, alignment, *stream)
+                               : allocate_checked(pool_, bytes, alignment);
+    };
+    try {
+      return ask();
+    } catch (const out_of_memory& first) {
+      if (!bulk_ || bulk_->release() == 0) {
+        throw_out_of_memory(*this, bytes, alignment, first.report().cause);
+      }
+    }
+    try {
+      return ask();
+    } catch (const out_of_memory& e) {
+      throw_out_of_memory(*this, bytes, alignment, e.report().cause);
+    }
+  }
+
+  /// A block of a handle or more, from large_source; `stream` null: the synchronous form. If
+  /// it cannot supply it, the pool gives back its wholly free chunks first, and the other
+  /// vm_resource (bulk or not) its wholly free handles, so that this one can grow.
+  void* allocate_large(std::size_t bytes, std::size_t alignment, const stream_view* stream) {
+    memory_resource& source = large_source(bytes);
+    const auto ask = [&] {
+      const detail::discarded_report_scope discarded{source};  // reported from here, if at all
+      return stream != nullptr ? allocate_checked(source, bytes, alignment, *stream)
+                               : allocate_checked(source, bytes, alignment);
     };
     void* p = nullptr;
     try {
       p = ask();
     } catch (const out_of_memory& first) {
-      if (pool_.release() == 0) {
+      std::size_t given_back = pool_.release();
+      if (bulk_) {
+        given_back += &source == bulk_.get() ? vm_.release() : bulk_->release();
+      }
+      if (given_back == 0) {
         throw_out_of_memory(*this, bytes, alignment, "upstream " + first.report().cause);
       }
       try {
@@ -341,29 +384,31 @@ class vm_pool_resource final : public memory_resource {
       large_used_ += bytes;
       large_peak_ = std::max(large_peak_, large_used_);
     } catch (...) {  // no host memory to record it: give it back, nothing happened
-      source_->deallocate(p, bytes, alignment);
+      source.deallocate(p, bytes, alignment);
       throw;
     }
     return p;
   }
 
-  /// The large block at `p` is being freed: true if it is one (forgotten now); else the free
-  /// is reported (the upstream's memory also holds the pool's chunks: never freed from here).
-  bool forget_large(const void* p) noexcept {
+  /// The large block at `p` is being freed: its size as allocated if it is one (forgotten
+  /// now; the free goes where that size came from); else the free is reported (the upstream's
+  /// memory also holds the pool's chunks: never freed from here).
+  std::optional<std::size_t> forget_large(const void* p) noexcept {
     try {
       const std::lock_guard lock(large_mutex_);
       const auto it = large_blocks_.find(reinterpret_cast<std::uintptr_t>(p));
       if (it != large_blocks_.end()) {
-        large_used_ -= it->second;
+        const std::size_t recorded = it->second;
+        large_used_ -= recorded;
         spare_large_.erase(large_blocks_, it);
-        return true;
+        return recorded;
       }
     } catch (...) {  // the mutex could not be locked: report below
     }
     report_problem(
         "vm_pool_resource: deallocate of a block of a handle or more that it did not allocate, "
         "or already freed (or a size other than the one allocated); ignored");
-    return false;
+    return std::nullopt;
   }
 
   bool do_is_equal(const memory_resource& other) const noexcept override { return this == &other; }
@@ -411,57 +456,11 @@ class vm_pool_resource final : public memory_resource {
            "long-lived blocks, or allocate the largest buffers first.";
   }
 
-  /// Plain device memory for the pool's chunks and the large blocks, held to physical_limit
-  /// when there is one (counted in the bytes handed out, where a vm_resource counts handles).
-  struct plain_memory {
-    plain_memory(int device, std::optional<std::size_t> limit) : device_memory(device) {
-      if (limit) {
-        budget.emplace(device_memory, *limit);
-      }
-    }
-    memory_resource& source() noexcept {
-      return budget ? static_cast<memory_resource&>(*budget) : device_memory;
-    }
-    device_resource device_memory;
-    std::optional<limiting_adaptor> budget;
-  };
-
-  /// Under compute-sanitizer, with no adaptor of the caller's, over the real driver: plain
-  /// memory (see the contract); else none.
-  static std::unique_ptr<plain_memory> plain_memory_under_sanitizer(
-      const vm_resource& vm, bool has_adaptor, std::optional<std::size_t> limit) {
-    const bool real_device =
-        dynamic_cast<const detail::driver_vm_mapping*>(&vm.mapping_layer()) != nullptr;
-    if (has_adaptor || !real_device || !detail::compute_sanitizer_attached()) {
-      return nullptr;
-    }
-    return std::make_unique<plain_memory>(vm.device(), limit);
-  }
-
-  /// Calls the factory and checks that what it made leads to `vm`.
-  static std::unique_ptr<memory_resource> make_adaptor(
-      vm_resource& vm,
-      const std::function<std::unique_ptr<memory_resource>(vm_resource&)>& factory) {
-    if (!factory) {
-      return nullptr;
-    }
-    std::unique_ptr<memory_resource> adaptor = factory(vm);
-    if (!adaptor) {
-      throw std::invalid_argument("cudamem: vm_pool_options::upstream_adaptor made no resource");
-    }
-    for (const memory_resource* r = adaptor.get(); r != &vm; r = r->upstream()) {
-      if (r == nullptr) {
-        throw std::invalid_argument("cudamem: vm_pool_options::upstream_adaptor made a resource "
-                                    "whose upstreams do not lead to the vm_pool's vm_resource");
-      }
-    }
-    return adaptor;
-  }
-
   vm_resource vm_;
   std::unique_ptr<memory_resource> adaptor_;  ///< options.upstream_adaptor's, or none
-  std::unique_ptr<plain_memory> plain_;       ///< under compute-sanitizer: cudaMalloc
+  std::unique_ptr<detail::plain_memory> plain_;  ///< under compute-sanitizer: cudaMalloc
   memory_resource* source_;  ///< where chunks and large blocks come from: adaptor_, plain_, vm_
+  std::unique_ptr<vm_resource> bulk_;  ///< bulk blocks' (bulk_handle_bytes), or none
   pool_resource pool_;
   std::size_t large_;  ///< blocks of this many bytes or more are the upstream's (a handle)
   mutable std::mutex large_mutex_;  ///< guards the three below

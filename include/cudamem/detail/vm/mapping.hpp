@@ -148,6 +148,9 @@ struct simulated_vm_options {
   /// the device with this layer, and `capacity` becomes its capacity. Null: a device of the
   /// layer's own. (Tests of memory held ahead giving way: detail/held_ahead.hpp.)
   memory_resource* physical = nullptr;
+  /// Where its address space starts. Layers of one test that share addresses between them (a
+  /// vm_pool's two vm_resources) need ranges apart, as a process's layers have.
+  std::uintptr_t first_address = std::uintptr_t{1} << 40;
 };
 
 /// Host bookkeeping only: the device is a byte budget, addresses are numbers. Every call is
@@ -157,7 +160,8 @@ struct simulated_vm_options {
 /// memory that work still in flight may touch: `unmaps_in_flight`).
 class simulated_vm_mapping final : public vm_mapping_layer {
  public:
-  explicit simulated_vm_mapping(simulated_vm_options options = {}) : options_(options) {
+  explicit simulated_vm_mapping(simulated_vm_options options = {})
+      : options_(options), next_address_(options.first_address) {
     if (options_.granularity == 0 || (options_.granularity & (options_.granularity - 1)) != 0) {
       throw std::invalid_argument("simulated_vm_mapping: granularity must be a power of two");
     }
@@ -534,7 +538,7 @@ class simulated_vm_mapping final : public vm_mapping_layer {
 
   simulated_vm_options options_;
   mutable std::mutex mutex_;  ///< guards everything: a growth thread calls beside the others
-  std::uintptr_t next_address_ = std::uintptr_t{1} << 40;
+  std::uintptr_t next_address_;
   vm_handle next_handle_ = 1;
   std::size_t physical_in_use_ = 0;
   std::size_t failing_creates_ = 0;
