@@ -33,6 +33,11 @@
  *   keep_free_bytes     vm_pool: device memory its growth leaves free for the rest of the
  *                       process while recycling its own free memory can serve a request
  *                       (0: grow while the device has room); default 1 GiB
+ *   bulk_handle_bytes   vm_pool: blocks of a whole multiple of this size get handles this big
+ *                       (0: none; else a multiple of handle_bytes larger than it); default
+ *                       32 MiB where handle_bytes divides it: a 128 MiB tensor made from
+ *                       freed memory moves 4 handles, not 32 (the driver's cuMemSetAccess
+ *                       costs ~34 us per handle)
  *   simulate_bytes      tests: a pretend device of this size, no GPU touched (vm_pool, pool)
  *   raise_on_oom        torch entry points: 1 (default) throw at a failed allocation; 0 return
  *                       null (what torch.cuda.MemPool's caching allocator expects)

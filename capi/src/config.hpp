@@ -12,7 +12,7 @@
 //   the value, where it came from (the variable's name, or the caller's label) and what would
 //   be accepted. Nothing is applied from a text or an environment that has an error in it.
 // - Keys (see cudamem_c.h): resource, limit_bytes, grow_ahead_bytes, handle_bytes,
-//   keep_free_bytes, simulate_bytes, raise_on_oom. A key that does not apply to the resource
+//   keep_free_bytes, bulk_handle_bytes, simulate_bytes, raise_on_oom. A key that does not apply to the resource
 //   chosen (grow_ahead_bytes for `pool`) is an error, checked once all keys are in
 //   (validate()), so the order of keys and sources does not matter.
 // - Sizes: decimal digits, then optionally a unit K/KiB, M/MiB, G/GiB, T/TiB (powers of
@@ -73,6 +73,17 @@ inline constexpr std::size_t default_handle_bytes = std::size_t{4} << 20;
 /// within the last GiB of the device.
 inline constexpr std::size_t default_keep_free_bytes = std::size_t{1} << 30;
 
+/// The vm_pool's bulk_handle_bytes for this library's users unless they set it: 32 MiB, where
+/// the handle size in force divides it (C++'s vm_pool: 0, none). A tensor whose size is a whole
+/// multiple of it (64 MiB, 128 MiB, ...) is made of 32 MiB handles; the rest of 4 MiB ones.
+/// Why. cuMemSetAccess costs the driver ~34 us per handle whatever its size, so a 128 MiB
+/// tensor made from memory that frees left in pieces cost 32 calls, ~1-1.4 ms, where PyTorch's
+/// default takes ~0.2 ms; in 32 MiB handles it is 4 calls, ~0.16 ms. 32 MiB handles for every
+/// block would strand more beside long-lived tensors of other sizes (bench/python/frag.py's
+/// heavy trace: 0.953 of the device live against 0.982); a bulk tensor strands nothing, being
+/// whole handles. bench/README.md ("Handle size") has the measurements.
+inline constexpr std::size_t default_bulk_handle_bytes = std::size_t{32} << 20;
+
 /// What an allocator is made of. Unset optionals mean "the resource's own default".
 struct allocator_config {
   resource_choice resource = resource_choice::vm_pool;
@@ -80,6 +91,7 @@ struct allocator_config {
   std::optional<std::size_t> grow_ahead_bytes;  ///< vm_pool only
   std::optional<std::size_t> handle_bytes;      ///< vm_pool only; unset: default_handle_bytes
   std::optional<std::size_t> keep_free_bytes;   ///< vm_pool only; unset: default_keep_free_bytes
+  std::optional<std::size_t> bulk_handle_bytes; ///< vm_pool only; 0: none; unset: see below
   std::optional<std::size_t> simulate_bytes;    ///< a pretend device (tests)
   bool raise_on_oom = true;                     ///< the torch entry points throw (else null)
 };
@@ -87,7 +99,18 @@ struct allocator_config {
 /// The keys, in the order describe() prints them.
 inline constexpr std::string_view config_keys[] = {
     "resource", "limit_bytes", "grow_ahead_bytes", "handle_bytes", "keep_free_bytes",
-    "simulate_bytes", "raise_on_oom"};
+    "bulk_handle_bytes", "simulate_bytes", "raise_on_oom"};
+
+/// The bulk handle size in force: the one set (0: none); else the default where it is a
+/// multiple of the handle size in force larger than it; else none.
+[[nodiscard]] inline std::size_t bulk_handle_bytes(const allocator_config& c) noexcept {
+  if (c.bulk_handle_bytes) {
+    return *c.bulk_handle_bytes;
+  }
+  const std::size_t handle = c.handle_bytes.value_or(default_handle_bytes);
+  const bool divides = default_bulk_handle_bytes > handle && default_bulk_handle_bytes % handle == 0;
+  return divides ? default_bulk_handle_bytes : 0;
+}
 
 namespace detail {
 
@@ -196,6 +219,12 @@ inline void set_key(allocator_config& c, std::string_view key, std::string_view 
     c.handle_bytes = bytes;
   } else if (key == "keep_free_bytes") {
     c.keep_free_bytes = size_or_refuse(true);
+  } else if (key == "bulk_handle_bytes") {
+    const std::size_t bytes = size_or_refuse(true);
+    if (bytes % (std::size_t{2} << 20) != 0) {
+      detail::refuse(key, value, source, "must be 0 (none) or a multiple of 2 MiB");
+    }
+    c.bulk_handle_bytes = bytes;
   } else if (key == "simulate_bytes") {
     c.simulate_bytes = size_or_refuse(false);
   } else if (key == "raise_on_oom") {
@@ -239,6 +268,15 @@ inline void validate(const allocator_config& c, std::string_view source) {
   only_vm_pool("grow_ahead_bytes", c.grow_ahead_bytes);
   only_vm_pool("handle_bytes", c.handle_bytes);
   only_vm_pool("keep_free_bytes", c.keep_free_bytes);
+  only_vm_pool("bulk_handle_bytes", c.bulk_handle_bytes);
+  const std::size_t handle = c.handle_bytes.value_or(default_handle_bytes);
+  if (c.bulk_handle_bytes && *c.bulk_handle_bytes != 0 &&
+      (*c.bulk_handle_bytes <= handle || *c.bulk_handle_bytes % handle != 0)) {
+    throw config_error("cudamem: bulk_handle_bytes=" + std::to_string(*c.bulk_handle_bytes) +
+                       " (set in " + std::string(source) + " or by CUDAMEM_BULK_HANDLE_BYTES) "
+                       "must be 0 or a multiple of the handle size (" + std::to_string(handle) +
+                       " bytes) larger than it");
+  }
   if (c.simulate_bytes && c.resource == resource_choice::async) {
     throw config_error("cudamem: simulate_bytes (set in " + std::string(source) +
                        " or by CUDAMEM_SIMULATE_BYTES) cannot simulate resource=async (it is "
@@ -294,6 +332,7 @@ void apply_environment(allocator_config& c, Getenv&& getenv) {
     s += ", grow_ahead_bytes=" + size(c.grow_ahead_bytes);
     s += ", handle_bytes=" + size(c.handle_bytes);
     s += ", keep_free_bytes=" + size(c.keep_free_bytes);
+    s += ", bulk_handle_bytes=" + size(c.bulk_handle_bytes);
   }
   if (c.simulate_bytes) {
     s += ", simulate_bytes=" + std::to_string(*c.simulate_bytes);

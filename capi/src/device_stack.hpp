@@ -59,11 +59,19 @@ class device_stack {
         o.grow_ahead_bytes = config.grow_ahead_bytes;
         o.handle_bytes = config.handle_bytes.value_or(default_handle_bytes);
         o.keep_free_bytes = config.keep_free_bytes.value_or(default_keep_free_bytes);
+        o.bulk_handle_bytes = bulk_handle_bytes(config);
         if (config.simulate_bytes) {
-          cudamem::detail::simulated_vm_options sim;
-          sim.capacity = *config.simulate_bytes;
-          auto vm = std::make_unique<vm_pool_resource>(
-              std::make_unique<cudamem::detail::simulated_vm_mapping>(sim), o);
+          // The vm_pool's two vm_resources (bulk blocks) share one pretend device.
+          upstream_ = std::make_unique<simulated_resource>(simulated_options{
+              .capacity = *config.simulate_bytes, .layout = simulated_layout::paged});
+          const auto layer = [this](std::uintptr_t first_address) {
+            cudamem::detail::simulated_vm_options sim;
+            sim.physical = upstream_.get();
+            sim.first_address = first_address;
+            return std::make_unique<cudamem::detail::simulated_vm_mapping>(sim);
+          };
+          auto vm = std::make_unique<vm_pool_resource>(layer(std::uintptr_t{1} << 40),
+                                                       layer(std::uintptr_t{2} << 40), o);
           vm_pool_ = vm.get();
           resource_ = std::move(vm);
         } else {
@@ -161,8 +169,11 @@ class device_stack {
     }
     if (vm_pool_ != nullptr) {
       const vm_pool_stats v = vm_pool_->vm_stats();
-      s.reserved_bytes = v.mapped_bytes;  // physical memory held, free or not
-      s.peak_reserved_bytes = v.peak_mapped_bytes;
+      const vm_resource_stats b = v.bulk.value_or(vm_resource_stats{});  // bulk blocks'
+      s.reserved_bytes = v.mapped_bytes + b.mapped_bytes;  // physical memory held, free or not
+      // With bulk blocks the two resources keep their peaks apart: the sum, never less than
+      // the true peak.
+      s.peak_reserved_bytes = v.peak_mapped_bytes + b.peak_mapped_bytes;
       if (vm_pool_->uses_plain_memory()) {
         // Under compute-sanitizer the pool's chunks and the large blocks are cudaMalloc'd and
         // the vm_resource holds nothing: reserved is what those hold. Their peaks are kept
@@ -171,15 +182,18 @@ class device_stack {
         s.peak_reserved_bytes = vm_pool_->pool().peak_reserved_bytes() + v.large_peak_bytes;
       }
       s.segments = vm_pool_->held_ranges().size();
-      s.device_allocations = v.handles_created;
-      s.device_frees = v.handles_created - v.handles;  // every handle made and not held now
-      s.device_allocated_bytes = v.handles_created * v.handle_bytes;  // handles are one size
-      s.device_freed_bytes = s.device_frees * v.handle_bytes;
-      s.largest_free_block = std::max<std::uint64_t>(v.largest_free_range,
-                                                     v.pool_largest_free_block);
-      s.held_ahead_bytes = v.held_ahead_bytes;  // whole handles free at the frontier
-      s.compactions = v.compactions;
-      s.kept_free_compactions = v.kept_free_compactions;
+      // Each handle made and not held now was freed; a resource's handles are one size.
+      s.device_allocations = v.handles_created + b.handles_created;
+      s.device_frees = (v.handles_created - v.handles) + (b.handles_created - b.handles);
+      s.device_allocated_bytes =
+          v.handles_created * v.handle_bytes + b.handles_created * b.handle_bytes;
+      s.device_freed_bytes = (v.handles_created - v.handles) * v.handle_bytes +
+                             (b.handles_created - b.handles) * b.handle_bytes;
+      s.largest_free_block = std::max<std::uint64_t>(
+          {v.largest_free_range, b.largest_free_range, v.pool_largest_free_block});
+      s.held_ahead_bytes = v.held_ahead_bytes + b.held_ahead_bytes;  // free at the frontiers
+      s.compactions = v.compactions + b.compactions;
+      s.kept_free_compactions = v.kept_free_compactions + b.kept_free_compactions;
       add_stream_stats(s, vm_pool_->pool().stream_stats());
     }
     s.limit_bytes = limit_ ? limit_->budget() : 0;
@@ -231,6 +245,9 @@ class device_stack {
   void reset_peak_reserved() {
     if (vm_pool_ != nullptr) {
       vm_pool_->upstream_vm().reset_peak_mapped();
+      if (vm_resource* bulk = vm_pool_->bulk_vm()) {
+        bulk->reset_peak_mapped();
+      }
     } else if (pool_ != nullptr) {
       pool_->reset_peak_reserved();
     } else {
@@ -271,7 +288,7 @@ class device_stack {
   }
 
   int device_;
-  std::unique_ptr<memory_resource> upstream_;  ///< pool's upstream (device or simulated)
+  std::unique_ptr<memory_resource> upstream_;  ///< pool's upstream, or a vm_pool's simulated device
   std::unique_ptr<memory_resource> resource_;
   std::unique_ptr<limiting_adaptor> limit_;
   std::unique_ptr<statistics_adaptor> statistics_;

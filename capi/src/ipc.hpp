@@ -80,12 +80,13 @@ ipc_export export_range(const device_stack& stack, const void* p, std::size_t by
         "other processes; use resource=vm_pool (the default) or pool");
   }
   if (vm_pool_resource* vm = stack.vm_pool()) {
-    if (!vm->upstream_vm().options().exportable) {
+    vm_resource& holder = vm->upstream_vm_of(p);  // the bulk blocks' vm_resource, or the other
+    if (!holder.options().exportable) {
       throw StateError("cudamem: device " + std::to_string(stack.device()) +
                        " cannot export memory as POSIX file descriptors, which sharing it "
                        "with other processes needs");
     }
-    const vm_block_handles h = vm->upstream_vm().handles_covering(p, bytes);
+    const vm_block_handles h = holder.handles_covering(p, bytes);
     const cudamem::detail::driver_api& cu = cudamem::detail::driver();
     std::vector<unique_fd> made;
     made.reserve(h.handles.size());

@@ -456,8 +456,41 @@ TEST_CASE("c api: segments are what the stack holds, by address, and add up to r
   }
 }
 
-TEST_CASE("c api: the peak of reserved memory, and its reset") {
+TEST_CASE("c api: bulk blocks are counted with the rest, given back and reset with it") {
+  // The default stack: 4 MiB handles, and 32 MiB ones for whole multiples of 32 MiB.
   const int id = make("simulate_bytes=8GiB, grow_ahead_bytes=0");
+  destroyer d{id};
+  void* bulk = nullptr;
+  void* other = nullptr;
+  REQUIRE(cudamem_allocate(id, 256 * MiB, 0, nullptr, &bulk) == CUDAMEM_OK);   // 8 x 32 MiB
+  REQUIRE(cudamem_allocate(id, 260 * MiB, 0, nullptr, &other) == CUDAMEM_OK);  // 65 x 4 MiB
+  const cudamem_stats at_peak = stats_of(id);
+  CHECK(at_peak.reserved_bytes >= 516 * MiB);
+  CHECK(at_peak.peak_reserved_bytes == at_peak.reserved_bytes);
+  CHECK(at_peak.device_allocated_bytes == at_peak.reserved_bytes);  // nothing freed yet
+  CHECK(at_peak.device_allocations < at_peak.reserved_bytes / (4 * MiB));  // some are 32 MiB
+  std::size_t segment_bytes = 0;
+  std::size_t count = 0;
+  REQUIRE(cudamem_segments(id, 0, nullptr, 0, &count) == CUDAMEM_OK);
+  std::vector<cudamem_segment> segments(count);
+  REQUIRE(cudamem_segments(id, 0, segments.data(), count, &count) == CUDAMEM_OK);
+  for (const cudamem_segment& s : segments) {
+    segment_bytes += s.bytes;
+  }
+  CHECK(segment_bytes == at_peak.reserved_bytes);  // both resources' mapped ranges
+  REQUIRE(cudamem_deallocate(id, bulk, 256 * MiB, 0, nullptr) == CUDAMEM_OK);
+  REQUIRE(cudamem_deallocate(id, other, 260 * MiB, 0, nullptr) == CUDAMEM_OK);
+  REQUIRE(cudamem_release(id, 0, nullptr) == CUDAMEM_OK);
+  const cudamem_stats after = stats_of(id);
+  CHECK(after.reserved_bytes == 0);
+  CHECK(after.device_freed_bytes == after.device_allocated_bytes);
+  CHECK(after.device_frees == after.device_allocations);
+  REQUIRE(cudamem_reset_peak_reserved(id, 0) == CUDAMEM_OK);
+  CHECK(stats_of(id).peak_reserved_bytes == 0);  // both resources' peaks
+}
+
+TEST_CASE("c api: the peak of reserved memory, and its reset") {
+  const int id = make("simulate_bytes=8GiB, grow_ahead_bytes=0, bulk_handle_bytes=0");
   destroyer d{id};
   void* big = nullptr;
   REQUIRE(cudamem_allocate(id, GiB, 0, nullptr, &big) == CUDAMEM_OK);

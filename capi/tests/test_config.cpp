@@ -59,18 +59,32 @@ TEST_CASE("capi config: defaults, text, and describe") {
   CHECK(c.raise_on_oom);
   CHECK(describe(c) ==
         "resource=vm_pool, limit_bytes=none, grow_ahead_bytes=default, handle_bytes=default, "
-        "keep_free_bytes=default, raise_on_oom=1");
+        "keep_free_bytes=default, bulk_handle_bytes=default, raise_on_oom=1");
   apply_config_text(c, " limit_bytes = 8GiB ,grow_ahead_bytes=0,, handle_bytes=32MiB ", "test");
   CHECK(c.limit_bytes == 8 * GiB);
   CHECK(c.grow_ahead_bytes == 0u);
   CHECK(c.handle_bytes == 32 * MiB);
   CHECK(describe(c) ==
         "resource=vm_pool, limit_bytes=8589934592, grow_ahead_bytes=0, handle_bytes=33554432, "
-        "keep_free_bytes=default, raise_on_oom=1");
+        "keep_free_bytes=default, bulk_handle_bytes=default, raise_on_oom=1");
+  CHECK(bulk_handle_bytes(c) == 0u);  // 32 MiB handles: the default bulk size is no larger
   apply_config_text(c, "keep_free_bytes=1GiB", "test");
   CHECK(c.keep_free_bytes == GiB);
   apply_config_text(c, "keep_free_bytes=0", "test");  // 0: grow while the device has room
   CHECK(c.keep_free_bytes == 0u);
+
+  // Bulk blocks: 32 MiB by default where the handle size divides it; 0 turns them off.
+  allocator_config b;
+  CHECK(bulk_handle_bytes(b) == 32 * MiB);  // the default 4 MiB handles
+  apply_config_text(b, "handle_bytes=8MiB", "test");
+  CHECK(bulk_handle_bytes(b) == 32 * MiB);
+  apply_config_text(b, "handle_bytes=6MiB", "test");
+  CHECK(bulk_handle_bytes(b) == 0u);  // 6 MiB does not divide 32 MiB: none
+  apply_config_text(b, "handle_bytes=4MiB, bulk_handle_bytes=64MiB", "test");
+  CHECK(bulk_handle_bytes(b) == 64 * MiB);
+  apply_config_text(b, "bulk_handle_bytes=0", "test");
+  CHECK(bulk_handle_bytes(b) == 0u);
+  CHECK(describe(b).find("bulk_handle_bytes=0") != std::string::npos);
 
   allocator_config p;
   apply_config_text(p, "resource=Pool, raise_on_oom=off, simulate_bytes=1GiB", "test");
@@ -107,6 +121,19 @@ TEST_CASE("capi config: bad values are refused with the key, the value and the s
   CHECK_THAT(refusal([&] { apply_config_text(c, "resource=pool, keep_free_bytes=1GiB", "x"); }),
              Catch::Contains("keep_free_bytes (set in x or by CUDAMEM_KEEP_FREE_BYTES) "
                              "applies to resource=vm_pool only, not resource=pool"));
+  CHECK_THAT(refusal([&] { apply_config_text(c, "bulk_handle_bytes=3MiB", "x"); }),
+             Catch::Contains("bulk_handle_bytes=3MiB (from x): must be 0 (none) or a multiple "
+                             "of 2 MiB"));
+  for (const char* text : {"bulk_handle_bytes=4MiB", "bulk_handle_bytes=6MiB",
+                           "handle_bytes=64MiB, bulk_handle_bytes=32MiB"}) {
+    CAPTURE(text);
+    CHECK_THAT(refusal([&] { apply_config_text(c, text, "x"); }),
+               Catch::Contains("(set in x or by CUDAMEM_BULK_HANDLE_BYTES) must be 0 or a "
+                               "multiple of the handle size"));
+  }
+  CHECK_THAT(refusal([&] { apply_config_text(c, "resource=pool, bulk_handle_bytes=0", "x"); }),
+             Catch::Contains("bulk_handle_bytes (set in x or by CUDAMEM_BULK_HANDLE_BYTES) "
+                             "applies to resource=vm_pool only"));
   CHECK_THAT(refusal([&] { apply_config_text(c, "keep_free_bytes=-1", "x"); }),
              Catch::Contains("keep_free_bytes=-1 (from x): not a size"));
   CHECK_THAT(refusal([&] { apply_config_text(c, "resource=async, simulate_bytes=1GiB", "x"); }),

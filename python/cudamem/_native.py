@@ -29,7 +29,7 @@ _EXCEPTIONS = {
 
 # The options install()/pool() take, beside `resource`: keys of the C configuration.
 SIZE_OPTIONS = ("limit_bytes", "grow_ahead_bytes", "handle_bytes", "keep_free_bytes",
-                "simulate_bytes")
+                "bulk_handle_bytes", "simulate_bytes")
 
 
 class Stats(ctypes.Structure):

@@ -24,6 +24,8 @@ PyTorch's own allocator. Options (sizes are ints of bytes or strings such as "4G
     handle_bytes      vm_pool: size of a physical handle (a multiple of 2 MiB; default 4 MiB)
     keep_free_bytes   vm_pool: device memory left free for cuDNN, cuBLAS and the driver
                       while its own free memory can serve a request (default 1 GiB)
+    bulk_handle_bytes vm_pool: tensors of a whole multiple of this size get handles this big
+                      (0: none; default 32 MiB), so that one made from freed memory is fast
 Environment variables CUDAMEM_RESOURCE, CUDAMEM_LIMIT_BYTES, ... set the same, for programs
 you do not edit; install()'s arguments override them.
 

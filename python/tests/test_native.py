@@ -117,6 +117,9 @@ def test_config_text_checks_names_and_types_in_python():
         _native.create(_native.config_text("f()", "async", {"keep_free_bytes": "1GiB"}))
     with pytest.raises(TypeError, match="keep_free_bytes must be an int"):
         _native.config_text("f()", "vm_pool", {"keep_free_bytes": 0.5})
+    with pytest.raises(ValueError, match="bulk_handle_bytes=6291456 .* must be 0 or a multiple "
+                                         "of the handle size"):
+        _native.create(_native.config_text("f()", "vm_pool", {"bulk_handle_bytes": "6MiB"}))
 
 
 def test_keep_free_bytes_is_configured_and_described():
@@ -124,6 +127,15 @@ def test_keep_free_bytes_is_configured_and_described():
         "f()", "vm_pool", {"simulate_bytes": "2GiB", "keep_free_bytes": "512MiB"}))
     try:
         assert "keep_free_bytes=536870912" in _native.describe(allocator_id)
+    finally:
+        _native.destroy(allocator_id)
+
+
+def test_bulk_handle_bytes_is_configured_and_described():
+    allocator_id = _native.create(_native.config_text(
+        "f()", "vm_pool", {"simulate_bytes": "2GiB", "bulk_handle_bytes": "64MiB"}))
+    try:
+        assert "bulk_handle_bytes=67108864" in _native.describe(allocator_id)
     finally:
         _native.destroy(allocator_id)
 

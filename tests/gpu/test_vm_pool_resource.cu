@@ -132,6 +132,48 @@ TEST_CASE("vm_pool (GPU): physical_limit holds, under compute-sanitizer too") {
   CHECK(pool.stats().used_bytes == 0);
 }
 
+// Bulk blocks (bulk_handle_bytes) on the device: a whole multiple of 32 MiB is the bulk
+// vm_resource's, the rest as before; kernels write and read both; release() gives back both.
+// Under compute-sanitizer there is no bulk resource (plain memory): the same blocks still work.
+TEST_CASE("vm_pool (GPU): bulk blocks are whole large handles, usable like any block") {
+  vm_pool_options options;
+  options.handle_bytes = 4 * MiB;
+  options.bulk_handle_bytes = 32 * MiB;
+  vm_pool_resource pool{0, options};
+  CAPTURE(pool.uses_plain_memory());
+  stream s;
+  void* bulk = pool.allocate(96 * MiB, 256, s);
+  void* other = pool.allocate(36 * MiB, 256, s);
+  check(cudaMemsetAsync(bulk, 0x5A, 96 * MiB, s.get()));
+  check(cudaMemsetAsync(other, 0x3C, 36 * MiB, s.get()));
+  unsigned char last[2] = {0, 0};
+  check(cudaMemcpyAsync(&last[0], static_cast<unsigned char*>(bulk) + 96 * MiB - 1, 1,
+                        cudaMemcpyDeviceToHost, s.get()));
+  check(cudaMemcpyAsync(&last[1], static_cast<unsigned char*>(other) + 36 * MiB - 1, 1,
+                        cudaMemcpyDeviceToHost, s.get()));
+  s.synchronize();
+  CHECK(last[0] == 0x5A);
+  CHECK(last[1] == 0x3C);
+  const vm_pool_stats st = pool.vm_stats();
+  CHECK(st.large_used_bytes == 132 * MiB);
+  if (pool.uses_plain_memory()) {
+    CHECK(pool.bulk_vm() == nullptr);
+  } else {
+    REQUIRE(st.bulk.has_value());
+    CHECK(st.bulk->used_bytes == 96 * MiB);
+    CHECK(st.bulk->handle_bytes == 32 * MiB);
+    CHECK(&pool.upstream_vm_of(bulk) == pool.bulk_vm());
+    CHECK(&pool.upstream_vm_of(other) == &pool.upstream_vm());
+  }
+  pool.deallocate(bulk, 96 * MiB, 256, s);
+  pool.deallocate(other, 36 * MiB, 256, s);
+  s.synchronize();
+  pool.release();
+  const vm_pool_stats after = pool.vm_stats();
+  CHECK(after.mapped_bytes == 0);
+  CHECK((!after.bulk || after.bulk->mapped_bytes == 0));
+}
+
 // The upstream alone, freeing on a stream: recycling a handle whose last use is a running kernel
 // must wait for that kernel (on the host) before the handle is mapped anywhere else.
 TEST_CASE("vm_resource (GPU): a handle freed on a stream is recycled only after its work") {
