@@ -25,8 +25,9 @@
 //                         difference; or the device itself reports enough free memory and yet
 //                         the request failed: its free memory is not in one piece;
 //     held_by_others      memory this chain does not hold (device used - what the chain's leaf
-//                         holds: other processes, this process's context and other resources)
-//                         is more than what the chain holds;
+//                         holds and its resources hold beside it, resource_stats::held_beside:
+//                         other processes, this process's context and other resources) is more
+//                         than what the chain holds;
 //     exhausted           this chain itself holds the memory;
 //     unknown             not enough information (e.g. no device to ask).
 // - Every holder named. On a real device the report also asks NVML (the driver's management
@@ -131,8 +132,7 @@ inline memory_report build_report(const memory_resource& resource, std::size_t b
   const resource_stats& leaf_stats = report.chain.back().stats;
   if (leaf_stats.capacity) {  // a simulated device: its capacity is the whole device
     report.device_total = *leaf_stats.capacity;
-    const std::size_t not_free =
-        leaf_stats.reserved_bytes + leaf_stats.held_elsewhere.value_or(0);
+    const std::size_t not_free = report.held_by_chain() + leaf_stats.held_elsewhere.value_or(0);
     report.device_free = *leaf_stats.capacity > not_free ? *leaf_stats.capacity - not_free : 0;
     report.held_ahead = held_ahead_bytes(memory_domain{-1, leaf});
   } else if (leaf->device() >= 0 && leaf->kind() != memory_kind::host &&

@@ -106,6 +106,8 @@ struct resource_stats {
   std::optional<std::size_t> capacity;            ///< simulated devices: their whole size
   std::optional<std::size_t> held_elsewhere;      ///< simulated devices: bytes "other processes"
                                                   ///< hold (not free, not ours)
+  std::size_t held_beside = 0;  ///< device memory held outside its chain of upstreams (a
+                                ///< vm_pool's bulk blocks): a report counts it as the chain's
 
   /// Bytes held but not handed out.
   [[nodiscard]] std::size_t free_bytes() const noexcept {

@@ -415,6 +415,7 @@ class vm_pool_resource final : public memory_resource {
   std::string_view do_name() const noexcept override { return "vm_pool_resource"; }
   resource_stats do_stats() const override {
     resource_stats s = pool_.stats();
+    s.held_beside = bulk_ ? bulk_->stats().reserved_bytes : 0;  // not under upstream()
     const std::lock_guard lock(large_mutex_);
     s.reserved_bytes += large_used_;
     s.used_bytes += large_used_;

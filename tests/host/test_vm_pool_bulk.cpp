@@ -175,6 +175,25 @@ TEST_CASE("vm_pool bulk: free memory serves the other resource once the device i
   CHECK(s.layer_of_bulk().violations == 0);
 }
 
+TEST_CASE("vm_pool bulk: an out-of-memory report counts the bulk blocks as the chain's") {
+  // The bulk vm_resource is not under upstream(): without held_beside, a report would call
+  // its memory "held by others" and the device free.
+  shared_device_pool s{GiB};
+  std::vector<void*> bulk = s.fill(64 * MiB);  // the whole device, live
+  REQUIRE(bulk.size() == 16);
+  try {
+    static_cast<void>(s.pool.allocate(36 * MiB));
+    FAIL("36 MiB on a full device");
+  } catch (const out_of_memory& e) {
+    CHECK(e.report().held_by_chain() == GiB);
+    CHECK(e.report().device_free == std::optional<std::size_t>{0});
+    CHECK(e.verdict() == oom_verdict::exhausted);
+    CHECK(e.report().to_json().find("\"held_beside\":1073741824") != std::string::npos);
+  }
+  CHECK(s.pool.stats().held_beside == GiB);
+  s.free_all(bulk, 64 * MiB);
+}
+
 TEST_CASE("vm_pool bulk: a driver failure under a bulk block leaks nothing") {
   shared_device_pool s{GiB};
   s.layer_of_bulk().fail_map_after(1);

@@ -127,8 +127,13 @@ struct memory_report {
   std::optional<std::size_t> held_ahead;
 
   /// Bytes the chain's leaf holds from the device (what "this process" holds through it).
+  /// Plus what resources of the chain hold beside it (resource_stats::held_beside).
   [[nodiscard]] std::size_t held_by_chain() const noexcept {
-    return chain.empty() ? 0 : chain.back().stats.reserved_bytes;
+    std::size_t beside = 0;
+    for (const resource_snapshot& r : chain) {
+      beside += r.stats.held_beside;
+    }
+    return chain.empty() ? 0 : chain.back().stats.reserved_bytes + beside;
   }
 
   /// Device memory in use that this chain does not hold (other processes, contexts and

@@ -96,7 +96,8 @@ inline std::string memory_report::to_json() const {
             ",\"largest_free_block\":" + number(r.stats.largest_free_block) +
             ",\"fragmentation\":" + frag + ",\"budget\":" + number(r.stats.budget) +
             ",\"capacity\":" + number(r.stats.capacity) +
-            ",\"held_elsewhere\":" + number(r.stats.held_elsewhere) + "}";
+            ",\"held_elsewhere\":" + number(r.stats.held_elsewhere) +
+            ",\"held_beside\":" + std::to_string(r.stats.held_beside) + "}";
   }
   json += "]}";
   return json;
