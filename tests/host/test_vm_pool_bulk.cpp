@@ -37,17 +37,20 @@ vm_pool_options bulk_options(std::size_t bulk = 32 * MiB) {
   return o;
 }
 
+/// A mapping layer whose handles are `device`'s memory; each of one test gets its own address
+/// space (`nth` TiB up), as a process's layers have.
+std::unique_ptr<simulated_vm_mapping> layer_over(simulated_resource& device, std::uintptr_t nth) {
+  return std::make_unique<simulated_vm_mapping>(simulated_vm_options{
+      .granularity = 2 * MiB, .physical = &device, .first_address = nth << 40});
+}
+
 /// A vm_pool whose two vm_resources draw on one pretend device of `capacity` bytes.
 struct shared_device_pool {
   explicit shared_device_pool(std::size_t capacity, vm_pool_options options = bulk_options())
       : device({.capacity = capacity, .layout = simulated_layout::paged}),
         pool(layer(), layer(), std::move(options)),
         layer_of_upstream(dynamic_cast<simulated_vm_mapping&>(pool.mapping_layer())) {}
-  /// Each layer gets address space of its own, 1 TiB apart.
-  std::unique_ptr<simulated_vm_mapping> layer() {
-    return std::make_unique<simulated_vm_mapping>(simulated_vm_options{
-        .granularity = 2 * MiB, .physical = &device, .first_address = (++layers) << 40});
-  }
+  std::unique_ptr<simulated_vm_mapping> layer() { return layer_over(device, ++layers); }
   simulated_vm_mapping& layer_of_bulk() {
     REQUIRE(pool.bulk_vm() != nullptr);
     return dynamic_cast<simulated_vm_mapping&>(pool.bulk_vm()->mapping_layer());
@@ -223,10 +226,7 @@ TEST_CASE("vm_pool bulk: a bulk block freed with another size goes back where it
 TEST_CASE("vm_pool bulk: bad input") {
   simulated_resource device{{.capacity = GiB, .layout = simulated_layout::paged}};
   std::uintptr_t layers = 0;
-  const auto layer = [&device, &layers] {
-    return std::make_unique<simulated_vm_mapping>(simulated_vm_options{
-        .granularity = 2 * MiB, .physical = &device, .first_address = (++layers) << 40});
-  };
+  const auto layer = [&device, &layers] { return layer_over(device, ++layers); };
   // Not a multiple of the handle, or not larger than it.
   for (const std::size_t bad : {6 * MiB, 4 * MiB, 2 * MiB, 34 * MiB}) {
     CAPTURE(bad);
@@ -245,10 +245,7 @@ TEST_CASE("vm_pool bulk: bad input") {
 TEST_CASE("vm_pool bulk: none under a physical limit or an adaptor; none by default") {
   simulated_resource device{{.capacity = GiB, .layout = simulated_layout::paged}};
   std::uintptr_t layers = 0;
-  const auto layer = [&device, &layers] {
-    return std::make_unique<simulated_vm_mapping>(simulated_vm_options{
-        .granularity = 2 * MiB, .physical = &device, .first_address = (++layers) << 40});
-  };
+  const auto layer = [&device, &layers] { return layer_over(device, ++layers); };
   vm_pool_options limited = bulk_options();
   limited.physical_limit = 512 * MiB;
   vm_pool_options adapted = bulk_options();
