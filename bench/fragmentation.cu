@@ -23,6 +23,9 @@
 //                     # 64; the C API's PyTorch stack: 4): stranded memory against moves
 //   bench_fragmentation --simulated --handle-mib 16 --small-chunk-mib 16   # ... and the pool's
 //                     # small chunks and growth_step of 16 MiB (default 64; whole handles)
+//   bench_fragmentation --simulated --handle-mib 4 --bulk-mib 32   # ... with bulk blocks
+//                     # (vm_pool_options::bulk_handle_bytes, the C API's default), both
+//                     # vm_resources over one simulated device
 //   bench_fragmentation --only vm_pool --variants-only --variant bench --seeds 42
 //                     # one fresh vm_pool, cold then warm, as the process's first allocator:
 //                     # a cold start on a device at rest (the main table's cold mixed run
@@ -77,6 +80,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -196,6 +200,8 @@ std::size_t vm_growth_bytes = 0;
 /// block out of fewer moves, and may strand more memory next to live blocks. This lets the
 /// simulated device show both sides.
 std::size_t vm_handle_bytes = 0;
+/// `--bulk-mib N` (--simulated only): the vm_pools' bulk_handle_bytes (0: none, the default).
+std::size_t vm_bulk_bytes = 0;
 /// `--small-chunk-mib N`: the vm_pools' pool.small_chunk_size and pool.growth_step (0: the
 /// default, vm_pool_chunking()'s 64 MiB); a multiple of the handle, so that a wholly free chunk
 /// is whole handles the upstream can recycle.
@@ -222,6 +228,7 @@ cudamem::vm_pool_options bench_vm_options() {
     o.pool.growth_step = vm_small_chunk_bytes;
   }
   o.grow_ahead_floor_bytes = vm_grow_ahead_floor_bytes;
+  o.bulk_handle_bytes = vm_bulk_bytes;
   return o;
 }
 
@@ -906,6 +913,9 @@ void run_simulated(const selection& what) {
   if (vm_handle_bytes != 0) {  // said only when asked for: the default output stays as it was
     std::printf("vm_pool handles: %zu MiB (--handle-mib)\n", vm_handle_bytes / MiB);
   }
+  if (vm_bulk_bytes != 0) {  // likewise
+    std::printf("vm_pool bulk blocks: %zu MiB handles (--bulk-mib)\n", vm_bulk_bytes / MiB);
+  }
   if (vm_growth_bytes != 0) {  // likewise
     std::printf("vm_pool growth: %zu MiB (--growth-mib)\n", vm_growth_bytes / MiB);
   }
@@ -934,12 +944,25 @@ void run_simulated(const selection& what) {
     run(a, "cold", capacity, true);
     run(a, "warm", capacity, false);
   }
-  const auto make_vm = [] {
-    return std::make_unique<cudamem::vm_pool_resource>(
-        std::make_unique<cudamem::detail::simulated_vm_mapping>(
-            cudamem::detail::simulated_vm_options{
-                .capacity = capacity, .create_us = sim_create_us, .access_us = sim_access_us}),
-        bench_vm_options());
+  // With bulk blocks the vm_pool's two vm_resources draw on one simulated device each time
+  // (kept here, so that it outlives every vm_pool made below), at addresses 1 TiB apart.
+  std::list<cudamem::simulated_resource> bulk_devices;
+  const auto make_vm = [&bulk_devices] {
+    const auto layer = [](cudamem::memory_resource* physical, std::uintptr_t nth) {
+      return std::make_unique<cudamem::detail::simulated_vm_mapping>(
+          cudamem::detail::simulated_vm_options{.capacity = capacity,
+                                                .create_us = sim_create_us,
+                                                .access_us = sim_access_us,
+                                                .physical = physical,
+                                                .first_address = nth << 40});
+    };
+    if (vm_bulk_bytes == 0) {
+      return std::make_unique<cudamem::vm_pool_resource>(layer(nullptr, 1), bench_vm_options());
+    }
+    cudamem::simulated_resource& device = bulk_devices.emplace_back(cudamem::simulated_options{
+        .capacity = capacity, .layout = cudamem::simulated_layout::paged});
+    return std::make_unique<cudamem::vm_pool_resource>(layer(&device, 1), layer(&device, 2),
+                                                       bench_vm_options());
   };
   // Streams are only numbers to the simulated layer (which tracks which frees are pending).
   const std::vector<cudaStream_t> fake_streams = {
@@ -1014,6 +1037,7 @@ int main(int argc, char** argv) {
                  "usage: bench_fragmentation [--simulated] [--detail] [--only NAME] [--vm-runs N]\n"
                  "         [--pause-ms N] [--grow-ahead-mib N] [--grow-ahead-floor-mib N]\n"
                  "         [--growth-mib N] [--handle-mib 2|4|8|16|32|64]\n"
+                 "         [--bulk-mib N (--simulated; a power of two larger than the handle)]\n"
                  "         [--small-chunk-mib 4|8|...|N (a multiple of the handle)]\n"
                  "         [--simulated-driver-us C,A] [--stream-model busy|idle|pre39]\n"
                  "         [--variants-only]\n"
@@ -1058,6 +1082,16 @@ int main(int argc, char** argv) {
         return usage();
       }
       vm_handle_bytes = mib * MiB;
+    } else if (arg == "--bulk-mib" && i + 1 < argc) {
+      // Checked against the handle once every option is read.
+      const char* text = argv[++i];
+      const std::size_t mib = power_of_two_mib(text, 4, 1ull << 20);
+      if (mib == 0) {
+        std::fprintf(stderr, "bench_fragmentation: --bulk-mib %s: a power of two of at least "
+                             "4 (MiB)\n", text);
+        return usage();
+      }
+      vm_bulk_bytes = mib * MiB;
     } else if (arg == "--small-chunk-mib" && i + 1 < argc) {
       // A power of two, at least the pool's 4 MiB small_block_limit (which must fit in a small
       // chunk); whether it is whole handles is checked once every option is read.
@@ -1111,6 +1145,16 @@ int main(int argc, char** argv) {
                    "bench_fragmentation: the vm_pool's small chunk (%zu MiB) must be a multiple "
                    "of its handle (%zu MiB): give --small-chunk-mib and --handle-mib to match\n",
                    chunk / MiB, handle / MiB);
+      return usage();
+    }
+  }
+  if (vm_bulk_bytes != 0) {
+    const std::size_t handle = vm_handle_bytes != 0 ? vm_handle_bytes : 64 * MiB;
+    if (!simulated || vm_bulk_bytes <= handle) {
+      std::fprintf(stderr,
+                   "bench_fragmentation: --bulk-mib (%zu) needs --simulated and a size larger "
+                   "than the handle (%zu MiB; --handle-mib)\n",
+                   vm_bulk_bytes / MiB, handle / MiB);
       return usage();
     }
   }
