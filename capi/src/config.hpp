@@ -12,9 +12,9 @@
 //   the value, where it came from (the variable's name, or the caller's label) and what would
 //   be accepted. Nothing is applied from a text or an environment that has an error in it.
 // - Keys (see cudamem_c.h): resource, limit_bytes, grow_ahead_bytes, handle_bytes,
-//   keep_free_bytes, bulk_handle_bytes, simulate_bytes, raise_on_oom. A key that does not apply to the resource
-//   chosen (grow_ahead_bytes for `pool`) is an error, checked once all keys are in
-//   (validate()), so the order of keys and sources does not matter.
+//   keep_free_bytes, bulk_handle_bytes, simulate_bytes, raise_on_oom. A key that does not
+//   apply to the resource chosen (grow_ahead_bytes for `pool`) is an error, checked once all
+//   keys are in (validate()), so the order of keys and sources does not matter.
 // - Sizes: decimal digits, then optionally a unit K/KiB, M/MiB, G/GiB, T/TiB (powers of
 //   1024; case-insensitive; spaces allowed before the unit). Overflow is an error.
 #pragma once
@@ -101,15 +101,20 @@ inline constexpr std::string_view config_keys[] = {
     "resource", "limit_bytes", "grow_ahead_bytes", "handle_bytes", "keep_free_bytes",
     "bulk_handle_bytes", "simulate_bytes", "raise_on_oom"};
 
-/// The bulk handle size in force: the one set (0: none); else the default where it is a
-/// multiple of the handle size in force larger than it; else none.
+/// Whether `bulk` can be the bulk handle size over handles of `handle` bytes: a multiple of
+/// it, larger than it (what vm_pool_options::bulk_handle_bytes accepts).
+[[nodiscard]] constexpr bool bulk_fits(std::size_t bulk, std::size_t handle) noexcept {
+  return bulk > handle && bulk % handle == 0;
+}
+
+/// The bulk handle size in force: the one set (0: none); else the default where it fits the
+/// handle size in force; else none.
 [[nodiscard]] inline std::size_t bulk_handle_bytes(const allocator_config& c) noexcept {
   if (c.bulk_handle_bytes) {
     return *c.bulk_handle_bytes;
   }
   const std::size_t handle = c.handle_bytes.value_or(default_handle_bytes);
-  const bool divides = default_bulk_handle_bytes > handle && default_bulk_handle_bytes % handle == 0;
-  return divides ? default_bulk_handle_bytes : 0;
+  return bulk_fits(default_bulk_handle_bytes, handle) ? default_bulk_handle_bytes : 0;
 }
 
 namespace detail {
@@ -271,7 +276,7 @@ inline void validate(const allocator_config& c, std::string_view source) {
   only_vm_pool("bulk_handle_bytes", c.bulk_handle_bytes);
   const std::size_t handle = c.handle_bytes.value_or(default_handle_bytes);
   if (c.bulk_handle_bytes && *c.bulk_handle_bytes != 0 &&
-      (*c.bulk_handle_bytes <= handle || *c.bulk_handle_bytes % handle != 0)) {
+      !bulk_fits(*c.bulk_handle_bytes, handle)) {
     throw config_error("cudamem: bulk_handle_bytes=" + std::to_string(*c.bulk_handle_bytes) +
                        " (set in " + std::string(source) + " or by CUDAMEM_BULK_HANDLE_BYTES) "
                        "must be 0 or a multiple of the handle size (" + std::to_string(handle) +
