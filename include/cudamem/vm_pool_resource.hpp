@@ -88,8 +88,12 @@
 //   as before. Why: cuMemSetAccess is paid per handle (~34 µs), so a 128 MiB block remapped from
 //   freed memory costs 32 in 4 MiB handles, 4 in 32 MiB ones, while small handles strand less
 //   beside blocks of other sizes (bench/README.md, "Handle size"); a bulk block is whole handles,
-//   nothing at its end. When either resource cannot supply, the other gives back its wholly free
-//   handles (release()) and the request is tried once more. When there is none, and the bad
+//   nothing at its end. The bulk resource never grows into `keep_free_bytes` for a block: the
+//   block then comes from the upstream, which recycles its own free memory (else each resource
+//   would keep its own free memory near a full device, and memory moved between them once per
+//   shape that fills it: the training loop's logits, bench/python/README.md). When the
+//   upstream cannot supply, the pool's wholly free chunks and the bulk resource's wholly free
+//   handles go back (release()) and it is asked once more. When there is none, and the bad
 //   values (`std::invalid_argument`): detail/vm/pool_sources.hpp, make_bulk_vm. vm_stats().bulk,
 //   release(), trim(), held_ranges() and add_peer() cover it.
 // - stats(): reserved and used bytes are the pool's chunks plus the large blocks (the peak is
@@ -132,6 +136,7 @@
 #include <cudamem/vm_resource.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -210,6 +215,7 @@ class vm_pool_resource final : public memory_resource {
       s.large_used_bytes = large_used_;
       s.large_peak_bytes = large_peak_;
     }
+    s.bulk_declined = bulk_declined_.load(std::memory_order_relaxed);
     const resource_stats p = pool_.stats();
     s.pool_used_bytes = p.used_bytes;
     s.pool_free_bytes = p.free_bytes();
@@ -232,7 +238,9 @@ class vm_pool_resource final : public memory_resource {
     } else {
       out = pool_.chunk_ranges();
       const std::lock_guard lock(large_mutex_);
-      out.insert(out.end(), large_blocks_.begin(), large_blocks_.end());
+      for (const auto& [address, block] : large_blocks_) {
+        out.emplace_back(address, block.bytes);
+      }
     }
     std::sort(out.begin(), out.end());
     return out;
@@ -304,7 +312,7 @@ class vm_pool_resource final : public memory_resource {
   void do_deallocate(void* p, std::size_t bytes, std::size_t alignment,
                      stream_view stream) noexcept override {
     if (bytes >= large_) {
-      if (const std::optional<std::size_t> recorded = forget_large(p)) {
+      if (const std::optional<large_block> recorded = forget_large(p)) {
         large_source(*recorded).deallocate(p, bytes, alignment, stream);
       }
       return;
@@ -313,7 +321,7 @@ class vm_pool_resource final : public memory_resource {
   }
   void do_deallocate_sync(void* p, std::size_t bytes, std::size_t alignment) noexcept override {
     if (bytes >= large_) {
-      if (const std::optional<std::size_t> recorded = forget_large(p)) {
+      if (const std::optional<large_block> recorded = forget_large(p)) {
         large_source(*recorded).deallocate(p, bytes, alignment);
       }
       return;
@@ -321,11 +329,15 @@ class vm_pool_resource final : public memory_resource {
     pool_.deallocate(p, bytes, alignment);
   }
 
-  /// Where a block of a handle or more comes from: the bulk vm_resource for whole multiples
-  /// of its handle, else the upstream (the vm_resource, the caller's adaptor, or plain memory).
-  [[nodiscard]] memory_resource& large_source(std::size_t bytes) const noexcept {
-    return bulk_ && bytes % bulk_->handle_bytes() == 0 ? static_cast<memory_resource&>(*bulk_)
-                                                       : *source_;
+  /// A block of a handle or more: the bytes asked, and whether the bulk resource holds it.
+  struct large_block {
+    std::size_t bytes = 0;
+    bool bulk = false;
+  };
+  /// Where the block went back to: the bulk vm_resource or the upstream (the vm_resource, the
+  /// caller's adaptor, or plain memory).
+  [[nodiscard]] memory_resource& large_source(const large_block& b) const noexcept {
+    return b.bulk ? static_cast<memory_resource&>(*bulk_) : *source_;
   }
 
   /// A block from the pool; `stream` null: the synchronous form. If the pool cannot have a
@@ -351,55 +363,64 @@ class vm_pool_resource final : public memory_resource {
     }
   }
 
-  /// A block of a handle or more, from large_source; `stream` null: the synchronous form. If
-  /// it cannot supply it, the pool gives back its wholly free chunks first, and the other
-  /// vm_resource (bulk or not) its wholly free handles, so that this one can grow.
+  /// A block of a handle or more; `stream` null: the synchronous form. A whole multiple of
+  /// the bulk handle comes from the bulk resource if it can supply it without growing into
+  /// keep_free (detail/vm/config.hpp: no_growth_into_reserve_scope), else from the upstream.
+  /// If that cannot, the pool gives back its wholly free chunks, the bulk resource its wholly
+  /// free handles, and the upstream is asked once more.
   void* allocate_large(std::size_t bytes, std::size_t alignment, const stream_view* stream) {
-    memory_resource& source = large_source(bytes);
-    const auto ask = [&] {
+    const auto ask = [&](memory_resource& source) {
       const detail::discarded_report_scope discarded{source};  // reported from here, if at all
       return stream != nullptr ? allocate_checked(source, bytes, alignment, *stream)
                                : allocate_checked(source, bytes, alignment);
     };
+    large_block block{bytes, bulk_ && bytes % bulk_->handle_bytes() == 0};
     void* p = nullptr;
-    try {
-      p = ask();
-    } catch (const out_of_memory& first) {
-      std::size_t given_back = pool_.release();
-      if (bulk_) {
-        given_back += &source == bulk_.get() ? vm_.release() : bulk_->release();
-      }
-      if (given_back == 0) {
-        throw_out_of_memory(*this, bytes, alignment, "upstream " + first.report().cause);
-      }
+    if (block.bulk) {
       try {
-        p = ask();
-      } catch (const out_of_memory& e) {
-        throw_out_of_memory(*this, bytes, alignment, "upstream " + e.report().cause);
+        const detail::no_growth_into_reserve_scope above_reserve;
+        p = ask(*bulk_);
+      } catch (const out_of_memory&) {
+        block.bulk = false;
+        bulk_declined_.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+    if (p == nullptr) {
+      try {
+        p = ask(*source_);
+      } catch (const out_of_memory& first) {
+        if (pool_.release() + (bulk_ ? bulk_->release() : 0) == 0) {
+          throw_out_of_memory(*this, bytes, alignment, "upstream " + first.report().cause);
+        }
+        try {
+          p = ask(*source_);
+        } catch (const out_of_memory& e) {
+          throw_out_of_memory(*this, bytes, alignment, "upstream " + e.report().cause);
+        }
       }
     }
     try {
       const std::lock_guard lock(large_mutex_);
-      spare_large_.insert(large_blocks_, reinterpret_cast<std::uintptr_t>(p), bytes);
+      spare_large_.insert(large_blocks_, reinterpret_cast<std::uintptr_t>(p), block);
       large_used_ += bytes;
       large_peak_ = std::max(large_peak_, large_used_);
     } catch (...) {  // no host memory to record it: give it back, nothing happened
-      source.deallocate(p, bytes, alignment);
+      large_source(block).deallocate(p, bytes, alignment);
       throw;
     }
     return p;
   }
 
-  /// The large block at `p` is being freed: its size as allocated if it is one (forgotten
-  /// now; the free goes where that size came from); else the free is reported (the upstream's
-  /// memory also holds the pool's chunks: never freed from here).
-  std::optional<std::size_t> forget_large(const void* p) noexcept {
+  /// The large block at `p` is being freed: its record if it is one (forgotten now; the free
+  /// goes where the block came from); else the free is reported (the upstream's memory also
+  /// holds the pool's chunks: never freed from here).
+  std::optional<large_block> forget_large(const void* p) noexcept {
     try {
       const std::lock_guard lock(large_mutex_);
       const auto it = large_blocks_.find(reinterpret_cast<std::uintptr_t>(p));
       if (it != large_blocks_.end()) {
-        const std::size_t recorded = it->second;
-        large_used_ -= recorded;
+        const large_block recorded = it->second;
+        large_used_ -= recorded.bytes;
         spare_large_.erase(large_blocks_, it);
         return recorded;
       }
@@ -465,9 +486,10 @@ class vm_pool_resource final : public memory_resource {
   pool_resource pool_;
   std::size_t large_;  ///< blocks of this many bytes or more are the upstream's (a handle)
   mutable std::mutex large_mutex_;  ///< guards the three below
-  using large_map = std::unordered_map<std::uintptr_t, std::size_t>;
-  large_map large_blocks_;  ///< address -> bytes asked
+  using large_map = std::unordered_map<std::uintptr_t, large_block>;
+  large_map large_blocks_;  ///< address -> the block
   detail::spare_nodes<large_map> spare_large_;  ///< nodes of freed blocks, for the next ones
+  std::atomic<std::size_t> bulk_declined_{0};  ///< vm_pool_stats::bulk_declined
   std::size_t large_used_ = 0;
   std::size_t large_peak_ = 0;
 };

@@ -1,8 +1,8 @@
 // vm_pool_resource's bulk blocks (vm_pool_options::bulk_handle_bytes) over two simulated
 // mapping layers that share one pretend device (no GPU): which resource serves which block,
 // the GPU trace's 128 MiB requests in freed 64 MiB holes, free memory moving between the two
-// resources when the device is full, failures that leak nothing, bad input, and when there is
-// no bulk resource at all.
+// resources when the device is full, the bulk resource held above keep_free, failures that
+// leak nothing, bad input, and when there is no bulk resource at all.
 #include <cudamem/simulated_resource.hpp>
 #include <cudamem/statistics_adaptor.hpp>
 #include <cudamem/vm_pool_resource.hpp>
@@ -174,6 +174,76 @@ TEST_CASE("vm_pool bulk: free memory serves the other resource once the device i
     s.free_all(small, MiB);
   }
   CHECK(s.pool.stats().used_bytes == 0);
+  CHECK(s.layer_of_upstream.violations == 0);
+  CHECK(s.layer_of_bulk().violations == 0);
+}
+
+TEST_CASE("vm_pool bulk: the bulk resource does not grow into keep_free; the upstream serves") {
+  // The training loop's case (bench/python/README.md): the upstream holds the device's memory,
+  // free, and a bulk-sized block comes. Before, the bulk resource grew into the reserve, the
+  // device said no, and the upstream gave all its free memory back to the driver for it; the
+  // next other block took it back the same way. Now the upstream serves the block from what
+  // it holds, and nothing moves.
+  vm_pool_options options = bulk_options();
+  options.keep_free_bytes = 256 * MiB;
+  shared_device_pool s{GiB, options};
+  std::vector<void*> other = s.fill(36 * MiB);
+  REQUIRE(other.size() == 28);  // a reserve, not a limit: requests still fill the device
+  s.free_all(other, 36 * MiB);
+  const vm_pool_stats before = s.pool.vm_stats();
+  const std::size_t creates_before = s.layer_of_upstream.calls.create;
+  void* p = s.pool.allocate(64 * MiB);
+  vm_pool_stats st = s.pool.vm_stats();
+  CHECK(&s.pool.upstream_vm_of(p) == &s.pool.upstream_vm());
+  CHECK(st.bulk_declined == 1);
+  CHECK(st.bulk->mapped_bytes == 0);
+  CHECK(st.mapped_bytes == before.mapped_bytes);  // nothing given back, nothing made
+  CHECK(s.layer_of_upstream.calls.create == creates_before);
+  CHECK(s.layer_of_bulk().calls.create == 0);
+  CHECK(st.large_used_bytes == 64 * MiB);
+  s.pool.deallocate(p, 64 * MiB);  // to the upstream, where it came from (its record says)
+  st = s.pool.vm_stats();
+  CHECK(st.large_used_bytes == 0);
+  CHECK(st.used_bytes == 0);
+  // With room above the reserve, a bulk-sized block is the bulk resource's again.
+  CHECK(s.pool.release() == st.mapped_bytes);
+  void* q = s.pool.allocate(64 * MiB);
+  CHECK(&s.pool.upstream_vm_of(q) == s.pool.bulk_vm());
+  CHECK(s.pool.vm_stats().bulk_declined == 1);
+  s.pool.deallocate(q, 64 * MiB);
+  CHECK(s.layer_of_upstream.violations == 0);
+  CHECK(s.layer_of_bulk().violations == 0);
+}
+
+TEST_CASE("vm_pool bulk: with keep_free, 128 MiB in freed 64 MiB holes still uses every byte") {
+  vm_pool_options options = bulk_options();
+  options.keep_free_bytes = 256 * MiB;
+  shared_device_pool s{GiB, options};
+  std::vector<void*> blocks = s.fill(64 * MiB);
+  REQUIRE(blocks.size() == 16);
+  vm_pool_stats st = s.pool.vm_stats();
+  CHECK(st.bulk->mapped_bytes <= GiB - 256 * MiB);  // bulk growth stopped at the reserve
+  CHECK(st.bulk_declined >= 1);                     // the rest came from the upstream
+  for (std::size_t i = 0; i < blocks.size(); i += 2) {
+    s.pool.deallocate(blocks[i], 64 * MiB);
+    blocks[i] = nullptr;
+  }
+  std::vector<void*> large = s.fill(128 * MiB);
+  CHECK(large.size() == 4);  // the holes of both resources, each recycled where it lies
+  for (void* p : large) {
+    const bool in_bulk = &s.pool.upstream_vm_of(p) == s.pool.bulk_vm();
+    CHECK((in_bulk ? s.layer_of_bulk() : s.layer_of_upstream).is_accessible(addr(p), 128 * MiB));
+  }
+  s.free_all(large, 128 * MiB);
+  for (void* p : blocks) {
+    if (p != nullptr) {
+      s.pool.deallocate(p, 64 * MiB);
+    }
+  }
+  CHECK(s.pool.stats().used_bytes == 0);
+  CHECK(s.pool.vm_stats().large_used_bytes == 0);
+  s.pool.release();
+  CHECK(s.device.stats().used_bytes == 0);
   CHECK(s.layer_of_upstream.violations == 0);
   CHECK(s.layer_of_bulk().violations == 0);
 }

@@ -731,6 +731,46 @@ TEST_CASE("vm_resource: keep_free_bytes recycles before growing into the reserve
   CHECK(s.layer.violations == 0);
 }
 
+TEST_CASE("vm_resource: no_growth_into_reserve_scope: recycling only, below keep_free") {
+  // What a vm_pool's bulk blocks ask under (vm_pool_resource.hpp): a request that recycling
+  // cannot serve fails, changing nothing, instead of growing into the reserve.
+  sim_vm s{GiB, keeping_free(256 * MiB, 128 * MiB)};
+  std::vector<void*> fill;
+  for (int i = 0; i < 12; ++i) {  // 768 MiB: growth up to the reserve
+    fill.push_back(s.vm.allocate(64 * MiB));
+  }
+  s.vm.deallocate(fill.back(), 64 * MiB);  // 64 MiB to recycle
+  fill.pop_back();
+  const auto calls = s.layer.calls;
+  {
+    const detail::no_growth_into_reserve_scope above_reserve;
+    try {
+      static_cast<void>(s.vm.allocate(128 * MiB));
+      FAIL("expected out_of_memory");
+    } catch (const out_of_memory& e) {
+      CHECK_THAT(e.report().cause, Catch::Contains("growth above keep_free tried"));
+    }
+    CHECK(s.layer.calls.create == calls.create);
+    CHECK(s.layer.physical_in_use() == 768 * MiB);
+    void* recycled = s.vm.allocate(64 * MiB);  // what recycling alone serves still works
+    fill.push_back(recycled);
+  }
+  void* grown = s.vm.allocate(64 * MiB);  // outside the scope: into the reserve, as before
+  CHECK(s.layer.physical_in_use() == 832 * MiB);
+  s.vm.deallocate(grown, 64 * MiB);
+  free_each(s.vm, fill, 64 * MiB);
+  // Without keep_free_bytes the scope changes nothing: growth while the device has room.
+  sim_vm plain{GiB, keeping_free(0, 128 * MiB)};
+  {
+    const detail::no_growth_into_reserve_scope above_reserve;
+    void* p = plain.vm.allocate(512 * MiB);
+    CHECK(plain.layer.physical_in_use() >= 512 * MiB);
+    plain.vm.deallocate(p, 512 * MiB);
+  }
+  CHECK(s.layer.violations == 0);
+  CHECK(plain.layer.violations == 0);
+}
+
 TEST_CASE("vm_resource: keep_free_bytes larger than the device: always recycle first") {
   // Not an error: the smallest footprint, every growth only what recycling cannot give.
   sim_vm s{GiB, keeping_free(2 * GiB, 256 * MiB)};

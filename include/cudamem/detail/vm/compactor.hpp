@@ -32,7 +32,8 @@
 // - keep_free_bytes (0 by default): while growth would leave the device less free than that,
 //   recycling comes first too, and only what it cannot give is created (into the reserve), so
 //   the footprint stays near what is in use and the rest of the process keeps the reserve
-//   (vm_resource_options::keep_free_bytes says why). A growth never rounds up into it.
+//   (vm_resource_options::keep_free_bytes says why). A growth never rounds up into it; under
+//   no_growth_into_reserve_scope (config.hpp) a request does not grow into it at all.
 // - Everything new is mapped at the frontier with one cuMemSetAccess per batch. A failure
 //   half-way undoes the batch: new mappings go, fresh handles go back, recycled ones return
 //   to where they were.
@@ -153,7 +154,8 @@ class vm_compactor {
       }
       if (created < missing) {
         recyclable = find_recyclable(missing - created, runs);
-        if (!growth_first && recyclable < missing) {
+        if (!growth_first && recyclable < missing &&
+            (!growth_into_reserve_refused || growable_bytes() >= missing - recyclable)) {
           created = create_handles(missing - recyclable, all, cause, 0);  // only what is missing
         }
       }
@@ -165,7 +167,8 @@ class vm_compactor {
       release_fresh(all);
       cause += " (" + format_bytes(recyclable) + " recyclable, " + format_bytes(have) +
                " free at the frontier, " + format_bytes(free_bytes_held()) +
-               " free in all; recycling and growth both tried)";
+               " free in all; recycling and growth " +
+               (growth_into_reserve_refused ? "above keep_free tried)" : "both tried)");
       return false;
     }
     // Recycle only what growth did not give.
@@ -183,9 +186,8 @@ class vm_compactor {
         if (!growth_first && !handles_.device_full) {
           ++counts_.kept_free_compactions;  // the device had room: keep_free chose this
         }
-        // Room first, so that recording the aliases below cannot throw once they are mapped.
-        // Geometric, not exact: an exact reserve would copy the whole list at every
-        // compaction, quadratic in the aliases a long-lived pool accumulates.
+        // Room first, so recording the aliases below cannot throw once mapped. Geometric: an
+        // exact reserve copies the list each compaction (quadratic).
         const std::size_t aliases = handles_.stale.size() + recycled.size();
         if (aliases > handles_.stale.capacity()) {
           handles_.stale.reserve(std::max(aliases, 2 * handles_.stale.capacity()));
@@ -206,15 +208,14 @@ class vm_compactor {
   }
 
   // --- growth ahead of need (vm_resource_options::grow_ahead_bytes; growth_thread.hpp) -------
-  // Defined in detail/vm/grow_ahead.hpp.
-  //
-  // A batch of fresh handles for the frontier, made in three parts so that the driver's calls
-  // run with no lock held: plan_ahead (under vm_resource's mutex: how many, and where: the
-  // frontier, which nobody else maps at until the batch is published, because every other
-  // path that maps or gives address space back waits for the batch first), make_ahead (no
-  // lock: cuMemCreate, cuMemMap, cuMemSetAccess, and nothing else), publish_ahead (under the
-  // mutex: the batch becomes free memory at the frontier, exactly as a growth by make_room
-  // would have left it). A failure in any part leaves nothing made.
+  // Defined in detail/vm/grow_ahead.hpp. A batch of fresh handles for the frontier, made in
+  // three parts so that the driver's calls run with no lock held: plan_ahead (under
+  // vm_resource's mutex: how many, and where: the frontier, which nobody else maps at until
+  // the batch is published, because every other path that maps or gives address space back
+  // waits for the batch first), make_ahead (no lock: cuMemCreate, cuMemMap, cuMemSetAccess,
+  // and nothing else), publish_ahead (under the mutex: the batch becomes free memory at the
+  // frontier, exactly as a growth by make_room would have left it). A failure in any part
+  // leaves nothing made.
 
   /// A batch of handles made ahead; see above.
   struct ahead_batch {
@@ -257,8 +258,7 @@ class vm_compactor {
   /// The next batch: enough handles to bring the free memory at the frontier up to the
   /// headroom, a quarter of it (or a growth, if more) at a time: few cuMemSetAccess calls,
   /// and a thread waiting for the batch waits for little. nullopt when nothing is wanted, or
-  /// the device, the limit or the address space has no room (the allocating path deals with
-  /// those).
+  /// the device, the limit or the address space has no room (the allocating path's cases).
   [[nodiscard]] inline std::optional<ahead_batch> plan_ahead(std::size_t most);
 
   /// Makes the batch: creates its handles (fewer when the device says no, or when more would

@@ -1,7 +1,8 @@
 // cudamem/detail/vm/config.hpp — the sizes and limits a vm_resource works with, fixed at
 // construction from its options (`vm_config`: granule, handle, growth, physical limit,
 // reservation, the floors of growth ahead and of keep_free), checked there; and the count of
-// what the driver was asked to do (`vm_call_counts`, what vm_stats reports).
+// what the driver was asked to do (`vm_call_counts`, what vm_stats reports); and
+// `no_growth_into_reserve_scope`, which a vm_pool's bulk blocks ask under.
 //
 //   detail::vm_config c = detail::vm_config::from(layer, options);  // invalid_argument if bad
 //   std::size_t size = detail::vm_config::round_up(bytes, c.granule);
@@ -80,6 +81,26 @@ struct vm_call_counts {
   std::size_t handles_created_ahead = 0;  ///< of handles_created: by the growth thread
   std::size_t bytes_given_back_ahead = 0;  ///< by release_tail (trim, or for other resources)
   std::size_t kept_free_compactions = 0;   ///< of compactions: chosen over growth by keep_free
+};
+
+/// True on a thread whose requests may not grow a vm_resource into its keep_free reserve.
+inline thread_local bool growth_into_reserve_refused = false;
+
+/// While it lives, a vm_resource's request on this thread that recycling cannot serve fails
+/// instead of growing below keep_free_bytes: a vm_pool's bulk blocks then go to its other
+/// vm_resource, which holds the memory already (vm_pool_resource.hpp says why). Growth above
+/// keep_free, and with keep_free_bytes 0 growth and probes of a full device, are as before.
+class no_growth_into_reserve_scope {
+ public:
+  no_growth_into_reserve_scope() noexcept : previous_(growth_into_reserve_refused) {
+    growth_into_reserve_refused = true;
+  }
+  ~no_growth_into_reserve_scope() { growth_into_reserve_refused = previous_; }
+  no_growth_into_reserve_scope(const no_growth_into_reserve_scope&) = delete;
+  no_growth_into_reserve_scope& operator=(const no_growth_into_reserve_scope&) = delete;
+
+ private:
+  bool previous_;
 };
 
 }  // namespace cudamem::detail
