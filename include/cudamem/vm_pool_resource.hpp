@@ -84,17 +84,10 @@
 //   (for fragmentation: what release() and the options can and cannot do; over
 //   physical_limit: that limit) is this resource's own.
 // - Bulk blocks (`bulk_handle_bytes`, 0 by default): a block whose size is a whole multiple of
-//   it comes from a second vm_resource of handles that big (same options); all else is placed
-//   as before. Why: cuMemSetAccess is paid per handle (~34 µs), so a 128 MiB block remapped from
-//   freed memory costs 32 in 4 MiB handles, 4 in 32 MiB ones, while small handles strand less
-//   beside blocks of other sizes (bench/README.md, "Handle size"); a bulk block is whole handles,
-//   nothing at its end. The bulk resource never grows into `keep_free_bytes` for a block: the
-//   block then comes from the upstream, which recycles its own free memory (else each resource
-//   would keep its own free memory near a full device, and memory moved between them once per
-//   shape that fills it: the training loop's logits, bench/python/README.md). When the
-//   upstream cannot supply, the pool's wholly free chunks and the bulk resource's wholly free
-//   handles go back (release()) and it is asked once more. When there is none, and the bad
-//   values (`std::invalid_argument`): detail/vm/pool_sources.hpp, make_bulk_vm. vm_stats().bulk,
+//   it comes from a second vm_resource of handles that big (same options) while that one can
+//   serve it without growing into `keep_free_bytes`; all else is placed as before. Why, how
+//   free memory moves between the two, when there is none, and the bad values
+//   (`std::invalid_argument`): detail/vm/pool_sources.hpp. vm_stats().bulk (and bulk_declined),
 //   release(), trim(), held_ranges() and add_peer() cover it.
 // - stats(): reserved and used bytes are the pool's chunks plus the large blocks (the peak is
 //   the sum of both peaks, an upper bound); free blocks are the pool's.
@@ -350,14 +343,14 @@ class vm_pool_resource final : public memory_resource {
                                : allocate_checked(pool_, bytes, alignment);
     };
     try {
-      return ask();
+      return detail::ask_upstream(bulk_.get(), ask);
     } catch (const out_of_memory& first) {
       if (!bulk_ || bulk_->release() == 0) {
         throw_out_of_memory(*this, bytes, alignment, first.report().cause);
       }
     }
     try {
-      return ask();
+      return detail::ask_upstream(bulk_.get(), ask);
     } catch (const out_of_memory& e) {
       throw_out_of_memory(*this, bytes, alignment, e.report().cause);
     }
@@ -365,9 +358,9 @@ class vm_pool_resource final : public memory_resource {
 
   /// A block of a handle or more; `stream` null: the synchronous form. A whole multiple of
   /// the bulk handle comes from the bulk resource if it can supply it without growing into
-  /// keep_free (detail/vm/config.hpp: no_growth_into_reserve_scope), else from the upstream.
-  /// If that cannot, the pool gives back its wholly free chunks, the bulk resource its wholly
-  /// free handles, and the upstream is asked once more.
+  /// keep_free, else from the upstream (detail/vm/pool_sources.hpp). If that cannot, the pool
+  /// gives back its wholly free chunks, the bulk resource its wholly free handles, and the
+  /// upstream is asked once more.
   void* allocate_large(std::size_t bytes, std::size_t alignment, const stream_view* stream) {
     const auto ask = [&](memory_resource& source) {
       const detail::discarded_report_scope discarded{source};  // reported from here, if at all
@@ -387,13 +380,13 @@ class vm_pool_resource final : public memory_resource {
     }
     if (p == nullptr) {
       try {
-        p = ask(*source_);
+        p = detail::ask_upstream(bulk_.get(), [&] { return ask(*source_); });
       } catch (const out_of_memory& first) {
         if (pool_.release() + (bulk_ ? bulk_->release() : 0) == 0) {
           throw_out_of_memory(*this, bytes, alignment, "upstream " + first.report().cause);
         }
         try {
-          p = ask(*source_);
+          p = detail::ask_upstream(bulk_.get(), [&] { return ask(*source_); });
         } catch (const out_of_memory& e) {
           throw_out_of_memory(*this, bytes, alignment, "upstream " + e.report().cause);
         }

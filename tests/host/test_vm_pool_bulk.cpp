@@ -215,6 +215,57 @@ TEST_CASE("vm_pool bulk: the bulk resource does not grow into keep_free; the ups
   CHECK(s.layer_of_bulk().violations == 0);
 }
 
+TEST_CASE("vm_pool bulk: the upstream held back by keep_free takes the bulk resource's free "
+          "memory, once") {
+  vm_pool_options options = bulk_options();
+  options.keep_free_bytes = 256 * MiB;
+  shared_device_pool s{GiB, options};
+  std::vector<void*> bulk;
+  for (int i = 0; i < 12; ++i) {  // 768 MiB: the bulk resource grows up to the reserve
+    bulk.push_back(s.pool.allocate(64 * MiB));
+  }
+  REQUIRE(s.pool.vm_stats().bulk->mapped_bytes == 768 * MiB);
+  s.free_all(bulk, 64 * MiB);
+  // The upstream's first block finds its growth held back (the device is at the reserve):
+  // it grows into the reserve for this one, and the bulk resource then gives back its free
+  // handles, so the next blocks grow above the reserve instead of recycling.
+  void* first = s.pool.allocate(36 * MiB);
+  vm_pool_stats st = s.pool.vm_stats();
+  CHECK(st.bulk->mapped_bytes == 0);
+  const std::size_t held_back = st.kept_free_compactions;
+  std::vector<void*> other = s.fill(36 * MiB);
+  other.push_back(first);
+  CHECK(other.size() == 28);  // the whole device, as with one resource
+  CHECK(s.pool.vm_stats().kept_free_compactions == held_back);
+  s.free_all(other, 36 * MiB);
+  // Shapes that change from step to step: bulk-sized blocks, then others, again and again.
+  // Once the upstream holds the memory, nothing moves between the two resources any more.
+  const auto run_step = [&s] {
+    std::vector<void*> a;
+    for (int i = 0; i < 8; ++i) {
+      a.push_back(s.pool.allocate(64 * MiB));
+    }
+    s.free_all(a, 64 * MiB);
+    std::vector<void*> b;
+    for (int i = 0; i < 20; ++i) {
+      b.push_back(s.pool.allocate(36 * MiB));
+    }
+    s.free_all(b, 36 * MiB);
+  };
+  run_step();
+  const std::size_t creates = s.layer_of_upstream.calls.create + s.layer_of_bulk().calls.create;
+  const std::size_t releases =
+      s.layer_of_upstream.calls.release + s.layer_of_bulk().calls.release;
+  for (int step = 0; step < 4; ++step) {
+    run_step();
+  }
+  CHECK(s.layer_of_upstream.calls.create + s.layer_of_bulk().calls.create == creates);
+  CHECK(s.layer_of_upstream.calls.release + s.layer_of_bulk().calls.release == releases);
+  CHECK(s.pool.stats().used_bytes == 0);
+  CHECK(s.layer_of_upstream.violations == 0);
+  CHECK(s.layer_of_bulk().violations == 0);
+}
+
 TEST_CASE("vm_pool bulk: with keep_free, 128 MiB in freed 64 MiB holes still uses every byte") {
   vm_pool_options options = bulk_options();
   options.keep_free_bytes = 256 * MiB;

@@ -47,9 +47,8 @@
 //   resource grows for a request of its own.
 //
 // Not thread-safe: vm_resource's mutex guards it and every part it works on, but make_ahead,
-// which calls only the layer (beside other threads' record_free and the like) and touches
-// only its batch. The growth-ahead members are defined in detail/vm/grow_ahead.hpp, which
-// vm_resource.hpp includes; the sizes and call counts are detail/vm/config.hpp's.
+// which calls only the layer (beside other threads' record_free and the like) and touches only
+// its batch. Growth-ahead members: detail/vm/grow_ahead.hpp; sizes, counts: config.hpp.
 #pragma once
 
 #include <cudamem/detail/vm/address_space.hpp>
@@ -144,6 +143,7 @@ class vm_compactor {
     std::size_t recyclable = 0;
     const std::size_t growable = handles_.device_full ? 0 : growable_bytes();
     const bool growth_first = !handles_.device_full && growable >= missing;
+    growth_held_back = growth_held_back || !growth_first;  // config.hpp says who asks
     try {
       if (growth_first) {
         created = create_handles(missing, all, cause, growable);

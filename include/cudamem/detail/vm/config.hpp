@@ -2,7 +2,7 @@
 // construction from its options (`vm_config`: granule, handle, growth, physical limit,
 // reservation, the floors of growth ahead and of keep_free), checked there; and the count of
 // what the driver was asked to do (`vm_call_counts`, what vm_stats reports); and
-// `no_growth_into_reserve_scope`, which a vm_pool's bulk blocks ask under.
+// `no_growth_into_reserve_scope` and `growth_held_back`, for a vm_pool's bulk blocks.
 //
 //   detail::vm_config c = detail::vm_config::from(layer, options);  // invalid_argument if bad
 //   std::size_t size = detail::vm_config::round_up(bytes, c.granule);
@@ -83,12 +83,17 @@ struct vm_call_counts {
   std::size_t kept_free_compactions = 0;   ///< of compactions: chosen over growth by keep_free
 };
 
+/// Set on a thread whose request found a vm_resource's growth held back (by keep_free_bytes
+/// or a full device): a vm_pool clears it, asks, and then has its bulk resource give back
+/// its free handles (detail/vm/pool_sources.hpp says why). Never cleared by a vm_resource.
+inline thread_local bool growth_held_back = false;
+
 /// True on a thread whose requests may not grow a vm_resource into its keep_free reserve.
 inline thread_local bool growth_into_reserve_refused = false;
 
 /// While it lives, a vm_resource's request on this thread that recycling cannot serve fails
 /// instead of growing below keep_free_bytes: a vm_pool's bulk blocks then go to its other
-/// vm_resource, which holds the memory already (vm_pool_resource.hpp says why). Growth above
+/// vm_resource, which holds the memory already (detail/vm/pool_sources.hpp). Growth above
 /// keep_free, and with keep_free_bytes 0 growth and probes of a full device, are as before.
 class no_growth_into_reserve_scope {
  public:

@@ -6,22 +6,44 @@
 //   auto plain = plain_memory_under_sanitizer(vm, adaptor != nullptr, options.physical_limit);
 //   auto bulk = make_bulk_vm(vm, std::move(bulk_layer), options, adaptor || plain);
 //
+//   void* p = ask_upstream(bulk.get(), [&] { return upstream.allocate(bytes); });
+//
 // Why apart: each is a decision made once, at construction, with rules of its own (what an
 // adaptor must lead to, when the tool is attached, when a bulk resource may exist); the
 // vm_pool_resource holds what they return and routes requests. Its contract
 // (vm_pool_resource.hpp) says what each means to a user.
+//
+// Bulk blocks (vm_pool_options::bulk_handle_bytes). Why: cuMemSetAccess is paid per handle
+// (~34 µs), so a 128 MiB block remapped from freed memory costs 32 in 4 MiB handles, 4 in
+// 32 MiB ones, while small handles strand less beside blocks of other sizes (bench/README.md,
+// "Handle size"); a bulk block is whole handles, nothing at its end. How free memory moves
+// between the two vm_resources, each holding its own:
+// - The bulk resource never grows into keep_free_bytes for a block (it recycles its own free
+//   handles, and grows above the reserve): the block then comes from the upstream, which
+//   holds the rest of the memory (vm_pool_stats::bulk_declined counts them).
+// - When the upstream's growth is held back (by keep_free_bytes or a full device), the bulk
+//   resource gives back its wholly free handles after that request (ask_upstream), so the
+//   upstream grows next time instead of recycling again. As the bulk resource cannot take
+//   them back below the reserve, this happens once, not at every change of shape: with each
+//   resource keeping its own free memory near a full device, the training loop of
+//   bench/python/README.md compacted 72 times in 250 steps against 28 with one resource.
+// - When the upstream cannot supply at all, the pool's wholly free chunks and the bulk
+//   resource's wholly free handles go back (release()) and it is asked once more.
 #pragma once
 
 #include <cudamem/detail/nvtx.hpp>  // compute_sanitizer_attached
 #include <cudamem/detail/vm/driver_mapping.hpp>
 #include <cudamem/detail/vm/mapping.hpp>
+#include <cudamem/detail/vm/config.hpp>
 #include <cudamem/device_resource.hpp>
+#include <cudamem/error.hpp>  // report_problem
 #include <cudamem/limiting_adaptor.hpp>
 #include <cudamem/memory_report.hpp>  // format_bytes
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/vm_resource.hpp>
 
 #include <cstddef>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -103,6 +125,28 @@ struct plain_memory {
   vm_resource_options options = vm.options();
   options.handle_bytes = bulk_bytes;
   return std::make_unique<vm_resource>(std::move(layer), std::move(options));
+}
+
+/// `ask()`, which takes memory from a vm_pool's upstream; then, where there is a bulk
+/// resource and the upstream's growth was held back (detail/vm/config.hpp: growth_held_back),
+/// the bulk resource gives back its wholly free handles (see above). Its failure to do so is
+/// reported (report_problem), and the block is returned all the same.
+template <class Ask>
+void* ask_upstream(vm_resource* bulk, const Ask& ask) {
+  if (bulk == nullptr) {
+    return ask();
+  }
+  growth_held_back = false;
+  void* p = ask();
+  if (std::exchange(growth_held_back, false)) {
+    try {
+      bulk->release();
+    } catch (const std::exception& e) {  // the block is good; the memory stays where it was
+      report_problem(std::string("vm_pool_resource: the bulk resource's release failed: ") +
+                     e.what());
+    }
+  }
+  return p;
 }
 
 }  // namespace cudamem::detail
