@@ -37,6 +37,13 @@ vm_pool_options bulk_options(std::size_t bulk = 32 * MiB) {
   return o;
 }
 
+/// The same, keeping 256 MiB of the pretend device free (the C API keeps 1 GiB).
+vm_pool_options reserve_options() {
+  vm_pool_options o = bulk_options();
+  o.keep_free_bytes = 256 * MiB;
+  return o;
+}
+
 /// A mapping layer whose handles are `device`'s memory; each of one test gets its own address
 /// space (`nth` TiB up), as a process's layers have.
 std::unique_ptr<simulated_vm_mapping> layer_over(simulated_resource& device, std::uintptr_t nth) {
@@ -65,6 +72,22 @@ struct shared_device_pool {
         return blocks;
       }
     }
+  }
+  /// Frees blocks 0, 2, 4, ... (nulled): the holes of the cold-hole trace.
+  void free_every_other(std::vector<void*>& blocks, std::size_t bytes) {
+    for (std::size_t i = 0; i < blocks.size(); i += 2) {
+      pool.deallocate(blocks[i], bytes);
+      blocks[i] = nullptr;
+    }
+  }
+  /// Frees what free_every_other left.
+  void free_survivors(std::vector<void*>& blocks, std::size_t bytes) {
+    for (void* p : blocks) {
+      if (p != nullptr) {
+        pool.deallocate(p, bytes);
+      }
+    }
+    blocks.clear();
   }
   void free_all(std::vector<void*>& blocks, std::size_t bytes) {
     for (void* p : blocks) {
@@ -124,10 +147,7 @@ TEST_CASE("vm_pool bulk: 128 MiB in freed 64 MiB holes moves four bulk handles")
   shared_device_pool s{GiB};
   std::vector<void*> blocks = s.fill(64 * MiB);
   REQUIRE(blocks.size() == 16);
-  for (std::size_t i = 0; i < blocks.size(); i += 2) {
-    s.pool.deallocate(blocks[i], 64 * MiB);
-    blocks[i] = nullptr;
-  }
+  s.free_every_other(blocks, 64 * MiB);
   const std::size_t maps_before = s.layer_of_bulk().calls.map;
   std::vector<void*> large = s.fill(128 * MiB);
   CHECK(large.size() == 4);  // all 512 MiB the frees left
@@ -137,11 +157,7 @@ TEST_CASE("vm_pool bulk: 128 MiB in freed 64 MiB holes moves four bulk handles")
     CHECK(s.layer_of_bulk().is_accessible(addr(p), 128 * MiB));
   }
   s.free_all(large, 128 * MiB);
-  for (void* p : blocks) {
-    if (p != nullptr) {
-      s.pool.deallocate(p, 64 * MiB);
-    }
-  }
+  s.free_survivors(blocks, 64 * MiB);
   CHECK(s.pool.stats().used_bytes == 0);
   CHECK(s.layer_of_bulk().violations == 0);
 }
@@ -184,9 +200,7 @@ TEST_CASE("vm_pool bulk: the bulk resource does not grow into keep_free; the ups
   // device said no, and the upstream gave all its free memory back to the driver for it; the
   // next other block took it back the same way. Now the upstream serves the block from what
   // it holds, and nothing moves.
-  vm_pool_options options = bulk_options();
-  options.keep_free_bytes = 256 * MiB;
-  shared_device_pool s{GiB, options};
+  shared_device_pool s{GiB, reserve_options()};
   std::vector<void*> other = s.fill(36 * MiB);
   REQUIRE(other.size() == 28);  // a reserve, not a limit: requests still fill the device
   s.free_all(other, 36 * MiB);
@@ -217,9 +231,7 @@ TEST_CASE("vm_pool bulk: the bulk resource does not grow into keep_free; the ups
 
 TEST_CASE("vm_pool bulk: the upstream held back by keep_free takes the bulk resource's free "
           "memory, once") {
-  vm_pool_options options = bulk_options();
-  options.keep_free_bytes = 256 * MiB;
-  shared_device_pool s{GiB, options};
+  shared_device_pool s{GiB, reserve_options()};
   std::vector<void*> bulk;
   for (int i = 0; i < 12; ++i) {  // 768 MiB: the bulk resource grows up to the reserve
     bulk.push_back(s.pool.allocate(64 * MiB));
@@ -267,18 +279,13 @@ TEST_CASE("vm_pool bulk: the upstream held back by keep_free takes the bulk reso
 }
 
 TEST_CASE("vm_pool bulk: with keep_free, 128 MiB in freed 64 MiB holes still uses every byte") {
-  vm_pool_options options = bulk_options();
-  options.keep_free_bytes = 256 * MiB;
-  shared_device_pool s{GiB, options};
+  shared_device_pool s{GiB, reserve_options()};
   std::vector<void*> blocks = s.fill(64 * MiB);
   REQUIRE(blocks.size() == 16);
   vm_pool_stats st = s.pool.vm_stats();
   CHECK(st.bulk->mapped_bytes <= GiB - 256 * MiB);  // bulk growth stopped at the reserve
   CHECK(st.bulk_declined >= 1);                     // the rest came from the upstream
-  for (std::size_t i = 0; i < blocks.size(); i += 2) {
-    s.pool.deallocate(blocks[i], 64 * MiB);
-    blocks[i] = nullptr;
-  }
+  s.free_every_other(blocks, 64 * MiB);
   std::vector<void*> large = s.fill(128 * MiB);
   CHECK(large.size() == 4);  // the holes of both resources, each recycled where it lies
   for (void* p : large) {
@@ -286,11 +293,7 @@ TEST_CASE("vm_pool bulk: with keep_free, 128 MiB in freed 64 MiB holes still use
     CHECK((in_bulk ? s.layer_of_bulk() : s.layer_of_upstream).is_accessible(addr(p), 128 * MiB));
   }
   s.free_all(large, 128 * MiB);
-  for (void* p : blocks) {
-    if (p != nullptr) {
-      s.pool.deallocate(p, 64 * MiB);
-    }
-  }
+  s.free_survivors(blocks, 64 * MiB);
   CHECK(s.pool.stats().used_bytes == 0);
   CHECK(s.pool.vm_stats().large_used_bytes == 0);
   s.pool.release();
