@@ -143,6 +143,10 @@ typedef struct cudamem_stats {
                                      stream, for such a block) */
   uint64_t device_syncs;          /* cudaDeviceSynchronize the pool made (before giving back
                                      memory with frees still pending) */
+  /* Added with bulk blocks (callers with an older struct_size do not get it): */
+  uint64_t bulk_declined;         /* vm_pool with bulk_handle_bytes: blocks of a whole multiple
+                                     of it that the bulk handles could not serve without growing
+                                     into keep_free_bytes, served by the other handles */
 } cudamem_stats;
 
 /* An address range held from the device: a vm_pool's mapped range, a pool's chunk. */

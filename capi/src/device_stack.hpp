@@ -194,6 +194,7 @@ class device_stack {
       s.held_ahead_bytes = v.held_ahead_bytes + b.held_ahead_bytes;  // free at the frontiers
       s.compactions = v.compactions + b.compactions;
       s.kept_free_compactions = v.kept_free_compactions + b.kept_free_compactions;
+      s.bulk_declined = v.bulk_declined;
       add_stream_stats(s, vm_pool_->pool().stream_stats());
     }
     s.limit_bytes = limit_ ? limit_->budget() : 0;

@@ -489,6 +489,31 @@ TEST_CASE("c api: bulk blocks are counted with the rest, given back and reset wi
   CHECK(stats_of(id).peak_reserved_bytes == 0);  // both resources' peaks
 }
 
+TEST_CASE("c api: a bulk-sized block at the reserve comes from the 4 MiB handles, counted") {
+  // 2 GiB simulated, 1 GiB kept free (the default). The 4 MiB handles take the device to the
+  // reserve and the blocks are freed; then a 64 MiB block, which the 32 MiB handles could
+  // only have by growing into the reserve, is cut from the 4 MiB handles' free memory.
+  const int id = make("simulate_bytes=2GiB, grow_ahead_bytes=0");
+  destroyer d{id};
+  std::vector<void*> blocks(28);
+  for (void*& p : blocks) {
+    REQUIRE(cudamem_allocate(id, 36 * MiB, 0, nullptr, &p) == CUDAMEM_OK);  // 1008 MiB
+  }
+  for (void* p : blocks) {
+    REQUIRE(cudamem_deallocate(id, p, 36 * MiB, 0, nullptr) == CUDAMEM_OK);
+  }
+  const cudamem_stats before = stats_of(id);
+  CHECK(before.bulk_declined == 0);
+  void* bulk = nullptr;
+  REQUIRE(cudamem_allocate(id, 64 * MiB, 0, nullptr, &bulk) == CUDAMEM_OK);
+  const cudamem_stats after = stats_of(id);
+  CHECK(after.bulk_declined == 1);
+  CHECK(after.reserved_bytes == before.reserved_bytes);  // nothing made, nothing given back
+  CHECK(after.device_allocations == before.device_allocations);
+  REQUIRE(cudamem_deallocate(id, bulk, 64 * MiB, 0, nullptr) == CUDAMEM_OK);
+  CHECK(stats_of(id).in_use_bytes == 0);
+}
+
 TEST_CASE("c api: the peak of reserved memory, and its reset") {
   const int id = make("simulate_bytes=8GiB, grow_ahead_bytes=0, bulk_handle_bytes=0");
   destroyer d{id};

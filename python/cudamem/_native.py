@@ -60,6 +60,7 @@ class Stats(ctypes.Structure):
         ("stream_waits", ctypes.c_uint64),
         ("host_waits", ctypes.c_uint64),
         ("device_syncs", ctypes.c_uint64),
+        ("bulk_declined", ctypes.c_uint64),
     ]
 
 
@@ -257,6 +258,7 @@ def stats(allocator_id, device):
         "stream_waits": s.stream_waits,
         "host_waits": s.host_waits,
         "device_syncs": s.device_syncs,
+        "bulk_declined": s.bulk_declined,
     }
 
 
