@@ -146,7 +146,7 @@ typedef struct cudamem_stats {
   /* Added with bulk blocks (callers with an older struct_size do not get it): */
   uint64_t bulk_declined;         /* vm_pool with bulk_handle_bytes: blocks of a whole multiple
                                      of it that the bulk handles could not serve without growing
-                                     into keep_free_bytes, served by the other handles */
+                                     into keep_free_bytes, asked of the other handles instead */
 } cudamem_stats;
 
 /* An address range held from the device: a vm_pool's mapped range, a pool's chunk. */

@@ -206,7 +206,7 @@ def stats(device=None, pool=None):
     the host for the streams that freed it), kept_free_compactions (of those, the ones chosen
     to keep keep_free_bytes free), stream_waits, host_waits and device_syncs (what the pool
     did to keep stream order), bulk_declined (vm_pool: tensors of a whole multiple of
-    bulk_handle_bytes served from the 4 MiB handles, as the bulk ones would have grown into
+    bulk_handle_bytes asked of the 4 MiB handles, as the bulk ones would have grown into
     keep_free_bytes). `pool`: a pool made by pool(), else the process-wide allocator."""
     return _native.stats(_allocator_id(pool), _device(device))
 

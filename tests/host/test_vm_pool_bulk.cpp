@@ -336,6 +336,33 @@ TEST_CASE("vm_pool bulk: a driver failure under a bulk block leaks nothing") {
   CHECK(s.layer_of_bulk().violations == 0);
 }
 
+TEST_CASE("vm_pool bulk: a driver failure in the upstream, after the bulk resource declined, "
+          "leaks nothing") {
+  shared_device_pool s{GiB, reserve_options()};
+  std::vector<void*> blocks = s.fill(36 * MiB);
+  REQUIRE(blocks.size() == 28);
+  s.free_every_other(blocks, 36 * MiB);  // 36 MiB holes: a 64 MiB block needs recycling
+  const vm_pool_stats before = s.pool.vm_stats();
+  s.layer_of_upstream.fail_map_after(1);  // the recycled handles' second map fails
+  CHECK_THROWS_AS(s.pool.allocate(64 * MiB), std::runtime_error);
+  vm_pool_stats st = s.pool.vm_stats();
+  CHECK(st.bulk_declined == 1);
+  CHECK(st.large_used_bytes == before.large_used_bytes);
+  CHECK(st.used_bytes == before.used_bytes);
+  CHECK(st.mapped_bytes == before.mapped_bytes);  // the handles went back where they were
+  CHECK(st.bulk->mapped_bytes == 0);
+  void* p = s.pool.allocate(64 * MiB);  // the next try works, from the upstream
+  CHECK(&s.pool.upstream_vm_of(p) == &s.pool.upstream_vm());
+  CHECK(s.layer_of_upstream.is_accessible(addr(p), 64 * MiB));
+  s.pool.deallocate(p, 64 * MiB);
+  s.free_survivors(blocks, 36 * MiB);
+  CHECK(s.pool.stats().used_bytes == 0);
+  s.pool.release();
+  CHECK(s.device.stats().used_bytes == 0);
+  CHECK(s.layer_of_upstream.violations == 0);
+  CHECK(s.layer_of_bulk().violations == 0);
+}
+
 TEST_CASE("vm_pool bulk: a bulk block freed with another size goes back where it came from") {
   shared_device_pool s{GiB};
   void* p = s.pool.allocate(64 * MiB);

@@ -54,7 +54,7 @@ struct vm_pool_options : vm_resource_options {
 /// What a vm_pool_resource holds: the upstream's virtual-memory figures, the pool's blocks.
 struct vm_pool_stats : vm_resource_stats {
   std::optional<vm_resource_stats> bulk;  ///< the bulk blocks' vm_resource, when there is one
-  std::size_t bulk_declined = 0;  ///< bulk-sized blocks the upstream served (keep_free held)
+  std::size_t bulk_declined = 0;  ///< bulk-sized requests sent to the upstream (keep_free held)
   std::size_t large_used_bytes = 0;      ///< blocks of a handle or more (the upstream's)
   std::size_t large_peak_bytes = 0;      ///< the most large_used_bytes has been
   std::size_t pool_used_bytes = 0;       ///< blocks handed out by the pool
