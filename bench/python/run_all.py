@@ -63,6 +63,7 @@ def speed_row(allocators, batch, free, args):
     processes, the passes interleaved (all allocators once, then again), and the median
     counts."""
     rates = {a: [] for a in allocators}
+    by_pass = {a: {} for a in allocators}  # pass number -> steps/s
     windows = {a: [] for a in allocators}  # per pass: each window's steps/s
     for n in range(args.speed_passes):
         # The order turns round every pass: a host that slows down (or speeds up) during the
@@ -72,6 +73,7 @@ def speed_row(allocators, batch, free, args):
                     "--window", args.speed_window)
             if r:
                 rates[a].append(number(r[0]))
+                by_pass[a][n] = number(r[0])
                 windows[a].append([float(x) for x in r[0].split("windows ")[1].split()])
     for a, v in rates.items():  # the spread behind each median
         if v:
@@ -84,8 +86,18 @@ def speed_row(allocators, batch, free, args):
         if passes:
             best = [max(p[i] for p in passes) for i in range(min(len(p) for p in passes))]
             best_row[a] = len(best) / sum(1.0 / r for r in best)
+    # A host that drifts moves every allocator of one pass alike (they run minutes apart, in
+    # turn): each pass's rate over the default's in the same pass, then the median of those.
+    paired_row = {}
+    for a, passes in by_pass.items():
+        ratios = [r / by_pass["default"][n] for n, r in passes.items()
+                  if n in by_pass.get("default", {})]
+        if ratios:
+            paired_row[a] = common.median(ratios)
     return [("steps/s at batch %d (median of %d passes)" % (batch, args.speed_passes),
              median_row, "%.3f"),
+            ("steps/s at batch %d over the default's in the same pass (median of %d)"
+             % (batch, args.speed_passes), paired_row, "%.3f"),
             ("steps/s at batch %d (each window's best of %d passes)"
              % (batch, args.speed_passes), best_row, "%.3f")]
 
