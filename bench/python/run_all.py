@@ -58,12 +58,11 @@ def number(result, index=2):
 
 
 def speed_row(allocators, batch, free, args):
-    """Steps/s at `batch` for each allocator: two table rows. Steps/s from one process varied by
+    """Steps/s at `batch` for each allocator: three table rows. Steps/s from one process varied by
     up to 1.5x between runs on different hosts: each allocator runs in `--speed-passes`
     processes, the passes interleaved (all allocators once, then again), and the median
     counts."""
-    rates = {a: [] for a in allocators}
-    by_pass = {a: {} for a in allocators}  # pass number -> steps/s
+    by_pass = {a: {} for a in allocators}  # pass number -> steps/s, in pass order
     windows = {a: [] for a in allocators}  # per pass: each window's steps/s
     for n in range(args.speed_passes):
         # The order turns round every pass: a host that slows down (or speeds up) during the
@@ -72,13 +71,12 @@ def speed_row(allocators, batch, free, args):
             r = run("train.py", a, "speed", "--batch", batch, "--free-gib", free,
                     "--window", args.speed_window)
             if r:
-                rates[a].append(number(r[0]))
                 by_pass[a][n] = number(r[0])
                 windows[a].append([float(x) for x in r[0].split("windows ")[1].split()])
-    for a, v in rates.items():  # the spread behind each median
+    for a, v in by_pass.items():  # the spread behind each median
         if v:
-            print("  passes %s: %s" % (a, " ".join("%.2f" % x for x in v)), flush=True)
-    median_row = {a: common.median(v) for a, v in rates.items() if v}
+            print("  passes %s: %s" % (a, " ".join("%.2f" % x for x in v.values())), flush=True)
+    median_row = {a: common.median(list(v.values())) for a, v in by_pass.items() if v}
     # Window i is the same steps in every process; the host only ever slows one down. So the
     # fastest pass of each window, over all windows: steps / the sum of their times.
     best_row = {}
