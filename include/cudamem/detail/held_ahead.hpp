@@ -34,6 +34,8 @@
 //   at once instead of locking the registry again.
 #pragma once
 
+#include <cudamem/detail/thread_flag_scope.hpp>
+
 #include <algorithm>
 #include <cstddef>
 #include <mutex>
@@ -71,17 +73,9 @@ class held_ahead_holder {
 inline thread_local bool inside_held_ahead_registry = false;
 
 /// While it lives, the registry's calls on this thread return 0 at once (see the contract).
-class no_give_back_scope {
+class no_give_back_scope : thread_flag_scope {
  public:
-  no_give_back_scope() noexcept : previous_(inside_held_ahead_registry) {
-    inside_held_ahead_registry = true;
-  }
-  ~no_give_back_scope() { inside_held_ahead_registry = previous_; }
-  no_give_back_scope(const no_give_back_scope&) = delete;
-  no_give_back_scope& operator=(const no_give_back_scope&) = delete;
-
- private:
-  bool previous_;
+  no_give_back_scope() noexcept : thread_flag_scope(inside_held_ahead_registry) {}
 };
 
 /// The process-wide list of holders; see the contract.

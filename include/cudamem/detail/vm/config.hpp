@@ -11,6 +11,7 @@
 // reads its sizes from here.
 #pragma once
 
+#include <cudamem/detail/thread_flag_scope.hpp>
 #include <cudamem/detail/vm/mapping.hpp>
 
 #include <cstddef>
@@ -95,17 +96,9 @@ inline thread_local bool growth_into_reserve_refused = false;
 /// instead of growing below keep_free_bytes: a vm_pool's bulk blocks then go to its other
 /// vm_resource, which holds the memory already (detail/vm/pool_sources.hpp). Growth above
 /// keep_free, and with keep_free_bytes 0 growth and probes of a full device, are as before.
-class no_growth_into_reserve_scope {
+class no_growth_into_reserve_scope : thread_flag_scope {
  public:
-  no_growth_into_reserve_scope() noexcept : previous_(growth_into_reserve_refused) {
-    growth_into_reserve_refused = true;
-  }
-  ~no_growth_into_reserve_scope() { growth_into_reserve_refused = previous_; }
-  no_growth_into_reserve_scope(const no_growth_into_reserve_scope&) = delete;
-  no_growth_into_reserve_scope& operator=(const no_growth_into_reserve_scope&) = delete;
-
- private:
-  bool previous_;
+  no_growth_into_reserve_scope() noexcept : thread_flag_scope(growth_into_reserve_refused) {}
 };
 
 }  // namespace cudamem::detail

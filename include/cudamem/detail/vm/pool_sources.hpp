@@ -4,7 +4,8 @@
 //
 //   auto adaptor = make_pool_adaptor(vm, options.upstream_adaptor);       // or nullptr
 //   auto plain = plain_memory_under_sanitizer(vm, adaptor != nullptr, options.physical_limit);
-//   auto bulk = make_bulk_vm(vm, std::move(bulk_layer), options, adaptor || plain);
+//   auto bulk = make_bulk_vm(vm, std::move(bulk_layer), options.bulk_handle_bytes,
+//                            adaptor || plain);
 //
 //   void* p = ask_upstream(bulk.get(), [&] { return upstream.allocate(bytes); });
 //
@@ -32,9 +33,9 @@
 #pragma once
 
 #include <cudamem/detail/nvtx.hpp>  // compute_sanitizer_attached
+#include <cudamem/detail/vm/config.hpp>
 #include <cudamem/detail/vm/driver_mapping.hpp>
 #include <cudamem/detail/vm/mapping.hpp>
-#include <cudamem/detail/vm/config.hpp>
 #include <cudamem/device_resource.hpp>
 #include <cudamem/error.hpp>  // report_problem
 #include <cudamem/limiting_adaptor.hpp>
