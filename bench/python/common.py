@@ -105,8 +105,13 @@ def allocator_name():
 def print_cudamem_notes():
     """Under cudamem: what it holds (stats()) and, after a failure, the report's first lines,
     as NOTE lines (run_all.py prints them): why an allocation failed, or what a speed run
-    left held."""
+    left held. Under PyTorch's own: its retries and calls to the driver, to compare."""
     if not allocator_name().startswith("cudamem"):
+        import torch  # PyTorch's own: how often it went back to the driver, or retried
+        stats = torch.cuda.memory_stats()
+        keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")
+        print("NOTE stats: " + ", ".join("%s=%s" % (k, stats.get(k)) for k in keys))
+        sys.stdout.flush()
         return
     import cudamem.torch
     stats = cudamem.torch.stats()

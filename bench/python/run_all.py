@@ -5,7 +5,7 @@
                                     [--variants OPTIONS ...] [--allocators A,B,...]
                                     [--train-start B --train-step S] [--train-batch B]
                                     [--speed-passes N] [--speed-window STEPS] [--notes]
-                                    [--pin-cpus LIST]
+                                    [--profile-steps N] [--pin-cpus LIST]
 
 --variants adds cudamem with other options as more columns ("resource=pool",
 "handle_bytes=16MiB,grow_ahead_bytes=0": cudamem.torch.install()'s keywords); --allocators
@@ -64,15 +64,21 @@ def speed_row(allocators, batch, free, args):
     counts."""
     by_pass = {a: {} for a in allocators}  # pass number -> steps/s, in pass order
     windows = {a: [] for a in allocators}  # per pass: each window's steps/s
+    kernels = {a: [] for a in allocators}  # per pass (--profile-steps): GPU kernel ms per step
+    walls = {a: [] for a in allocators}  # and wall ms per step, of the same profiled steps
     for n in range(args.speed_passes):
         # The order turns round every pass: a host that slows down (or speeds up) during the
         # run does not favour whoever always comes first.
         for a in (allocators if n % 2 == 0 else allocators[::-1]):
             r = run("train.py", a, "speed", "--batch", batch, "--free-gib", free,
-                    "--window", args.speed_window)
+                    "--window", args.speed_window, "--profile-steps", args.profile_steps)
             if r:
                 by_pass[a][n] = number(r[0])
                 windows[a].append([float(x) for x in r[0].split("windows ")[1].split()])
+                for line in r[1:]:  # "profile A kernels K ms/step, wall W ms/step over N steps"
+                    if line.startswith("profile "):
+                        kernels[a].append(number(line, 3))
+                        walls[a].append(number(line, 6))
     for a, v in by_pass.items():  # the spread behind each median
         if v:
             print("  passes %s: %s" % (a, " ".join("%.2f" % x for x in v.values())), flush=True)
@@ -92,7 +98,15 @@ def speed_row(allocators, batch, free, args):
                   if n in by_pass.get("default", {})]
         if ratios:
             paired_row[a] = common.median(ratios)
-    return [("steps/s at batch %d (median of %d passes)" % (batch, args.speed_passes),
+    profile_rows = []
+    if any(kernels.values()):
+        profile_rows = [
+            ("GPU kernel ms per step, profiled (median of passes)",
+             {a: common.median(v) for a, v in kernels.items() if v}, "%.3f"),
+            ("wall ms per step, the same steps (median of passes)",
+             {a: common.median(v) for a, v in walls.items() if v}, "%.3f")]
+    return profile_rows + [
+            ("steps/s at batch %d (median of %d passes)" % (batch, args.speed_passes),
              median_row, "%.3f"),
             ("steps/s at batch %d over the default's in the same pass (median of %d)"
              % (batch, args.speed_passes), paired_row, "%.3f"),
@@ -114,6 +128,9 @@ def main():
     parser.add_argument("--notes", action="store_true")
     parser.add_argument("--speed-passes", type=int, default=3)
     parser.add_argument("--speed-window", type=int, default=50)
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="speed: each pass then times this many steps' kernels under "
+                        "torch.profiler (a row of GPU kernel ms per step against wall ms)")
     parser.add_argument("--pin-cpus", default="", help="run every child on these cores "
                         "(taskset -c list, e.g. the GPU's NUMA node: nvidia-smi topo -m)")
     args = parser.parse_args()

@@ -8,7 +8,8 @@ one allocator per process (run_all.py names it in the environment):
         batch, on an allocator that has served every shape before)
     python3 train.py speed --batch B [--free-gib N]
         steps per second at batch B (median of 5 timed windows of --window steps, 50 by
-        default, after a warm-up step at every length), and each window's rate
+        default, after a warm-up step at every length), and each window's rate;
+        --profile-steps N then times N more steps' kernels under torch.profiler
 """
 import argparse
 import random
@@ -88,6 +89,45 @@ def search(torch, model, optimizer, start, increment, steps):
         batch += increment
 
 
+def counters():
+    """cudamem's counts of the work that costs driver calls or waits (None under PyTorch's
+    own allocator): read around each timed window, they say which windows paid for it."""
+    if not common.allocator_name().startswith("cudamem"):
+        return None
+    import cudamem.torch
+    stats = cudamem.torch.stats()
+    return {k: stats[k] for k in ("compactions", "host_waits", "stream_waits", "device_syncs")}
+
+
+def profiled(torch, model, optimizer, batch, steps):
+    """`steps` more steps under torch.profiler (CUDA activity): the GPU's kernel time per step
+    against the wall time per step. Same kernel time, longer wall: the GPU waited for the host
+    (the allocator's host work, or a wait it added). Longer kernel time: the kernels ran
+    slower on this memory (placement), or different ones ran (a library chose by memory)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    def device_us(e):  # renamed from cuda to device in PyTorch 2.4
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+
+    rng = random.Random(3)
+    lengths = [draw_length(rng) for _ in range(steps)]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for length in lengths:
+            step(torch, model, optimizer, batch, length)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    on_device = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+    kernel_ms = sum(device_us(e) for e in on_device) / 1000.0
+    print("RESULT profile %s kernels %.3f ms/step, wall %.3f ms/step over %d steps"
+          % (common.allocator_name(), kernel_ms / steps, 1000.0 * wall / steps, steps))
+    for e in sorted(on_device, key=device_us, reverse=True)[:8]:
+        print("NOTE kernel %.3f ms/step x%d %s" % (device_us(e) / 1000.0 / steps,
+                                                   e.count // steps, e.key[:90]))
+
+
 def speed(torch, model, optimizer, batch, window):
     # Warm-up: one step at every length. cuDNN builds an attention graph for each new shape
     # and CUDA loads kernels on their first launch (each load waits for the device): costs a
@@ -98,6 +138,7 @@ def speed(torch, model, optimizer, batch, window):
     torch.cuda.synchronize()
     rng = random.Random(2)
     rates = []
+    counts = [counters()]
     for _ in range(5):
         lengths = [draw_length(rng) for _ in range(window)]
         t = time.perf_counter()
@@ -105,6 +146,11 @@ def speed(torch, model, optimizer, batch, window):
             step(torch, model, optimizer, batch, length)
         torch.cuda.synchronize()
         rates.append(window / (time.perf_counter() - t))
+        counts.append(counters())
+    if counts[0] is not None:  # what each timed window paid for (the warm-up's are before)
+        print("NOTE counts in the windows: " + "; ".join(
+            "%s %s" % (k, " ".join(str(b[k] - a[k]) for a, b in zip(counts, counts[1:])))
+            for k in counts[0]))
     return rates
 
 
@@ -117,6 +163,8 @@ def main():
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--free-gib", type=float, default=0)
     parser.add_argument("--window", type=int, default=50, help="speed: steps per timed window")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="speed: then this many steps under torch.profiler (0: none)")
     args = parser.parse_args()
     allocator = common.set_up()
     import torch
@@ -133,6 +181,8 @@ def main():
         print("RESULT speed %s %.3f steps/s at batch %d, windows %s"
               % (allocator, common.median(rates), args.batch,
                  " ".join("%.3f" % r for r in rates)))
+        if args.profile_steps > 0:
+            profiled(torch, model, optimizer, args.batch, args.profile_steps)
         common.print_cudamem_notes()
     sys.stdout.flush()
 
