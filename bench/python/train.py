@@ -139,14 +139,26 @@ def speed(torch, model, optimizer, batch, window):
     rng = random.Random(2)
     rates = []
     counts = [counters()]
+    cpu = []  # per window: ms of CPU per step, the main thread's and the whole process's
     for _ in range(5):
         lengths = [draw_length(rng) for _ in range(window)]
         t = time.perf_counter()
+        main_cpu, process_cpu = time.thread_time(), time.process_time()
         for length in lengths:
             step(torch, model, optimizer, batch, length)
         torch.cuda.synchronize()
         rates.append(window / (time.perf_counter() - t))
+        cpu.append((1000.0 * (time.thread_time() - main_cpu) / window,
+                    1000.0 * (time.process_time() - process_cpu) / window))
         counts.append(counters())
+    # Against the wall ms per step (1000 / the window's rate): a main thread that is busy for
+    # less than the wall waited (for the GPU, or for a lock); one busy all the time may still
+    # be spinning in the driver (a full launch queue, the window's last synchronize), so the
+    # profile's kernel time says which. The process's CPU above the main thread's is its other
+    # threads' (PyTorch's, the driver's, cudamem's growth thread).
+    print("NOTE cpu ms/step by window, main thread / process: " + " ".join(
+        "%.2f/%.2f" % c for c in cpu) + " (wall: %s)" % " ".join("%.2f" % (1000.0 / r)
+                                                                 for r in rates))
     if counts[0] is not None:  # what each timed window paid for (the warm-up's are before)
         print("NOTE counts in the windows: " + "; ".join(
             "%s %s" % (k, " ".join(str(b[k] - a[k]) for a, b in zip(counts, counts[1:])))
