@@ -4,7 +4,8 @@
 // the resource's own; a resource short of the device's memory (a simulated_resource, a pool
 // over it, another vm_pool) gets what a vm_pool made ahead, and fails only at the true limit;
 // the out-of-memory report names what is held ahead; give-backs beside allocating threads and
-// the growth thread neither deadlock nor leak.
+// the growth thread neither deadlock nor leak. Also the thread-local scope the registry's
+// re-entry guard is built on (detail/thread_flag_scope.hpp).
 //
 // The shared pretend device: a paged simulated_resource is the device's memory, and the vm
 // layers draw their handles from it (simulated_vm_options::physical), so resources over it
@@ -23,6 +24,7 @@
 #include <cstdint>
 #include <memory>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -454,4 +456,45 @@ TEST_CASE("held ahead: two vm_pools short of memory at once ask each other: no d
   }
   // b, which held less ahead, ran out of its own first and got what a still held ahead.
   CHECK(given_back_in_all > 0);
+}
+
+namespace {
+thread_local bool scoped_flag = false;
+}  // namespace
+
+TEST_CASE("thread_flag_scope: set for its scope, nested, restored on a throw, this thread's") {
+  REQUIRE_FALSE(scoped_flag);
+  {
+    const detail::thread_flag_scope outer(scoped_flag);
+    REQUIRE(scoped_flag);
+    {
+      const detail::thread_flag_scope inner(scoped_flag);
+      REQUIRE(scoped_flag);
+    }
+    REQUIRE(scoped_flag);  // the inner scope put back what it found: true, not false
+    bool other_thread_saw = true;
+    std::thread([&] { other_thread_saw = scoped_flag; }).join();
+    REQUIRE_FALSE(other_thread_saw);
+  }
+  REQUIRE_FALSE(scoped_flag);
+  REQUIRE_THROWS_AS(([] {
+                      const detail::thread_flag_scope inside(scoped_flag);
+                      throw std::runtime_error("leaves the scope by a throw");
+                    }()),
+                    std::runtime_error);
+  REQUIRE_FALSE(scoped_flag);
+
+  // The two scopes built on it set their own flags, and only those.
+  {
+    const detail::no_give_back_scope quiet;
+    REQUIRE(detail::inside_held_ahead_registry);
+    REQUIRE_FALSE(detail::growth_into_reserve_refused);
+  }
+  {
+    const detail::no_growth_into_reserve_scope above_reserve;
+    REQUIRE(detail::growth_into_reserve_refused);
+    REQUIRE_FALSE(detail::inside_held_ahead_registry);
+  }
+  REQUIRE_FALSE(detail::inside_held_ahead_registry);
+  REQUIRE_FALSE(detail::growth_into_reserve_refused);
 }
