@@ -5,7 +5,7 @@
                                     [--variants OPTIONS ...] [--allocators A,B,...]
                                     [--train-start B --train-step S] [--train-batch B]
                                     [--speed-passes N] [--speed-window STEPS] [--notes]
-                                    [--profile-steps N] [--pin-cpus LIST]
+                                    [--profile-steps N] [--pin-cpus LIST|auto]
 
 --variants adds cudamem with other options as more columns ("resource=pool",
 "handle_bytes=16MiB,grow_ahead_bytes=0": cudamem.torch.install()'s keywords); --allocators
@@ -20,6 +20,7 @@ found there (pip install) or through CUDAMEM_C_LIBRARY (a build tree).
 """
 import argparse
 import os
+import re
 import subprocess
 import sys
 
@@ -51,6 +52,19 @@ def run(script, allocator, *arguments, timeout=900):
         if line.startswith("NOTE ") and show_notes:
             print("    " + line[len("NOTE "):], flush=True)
     return results
+
+
+def gpu_cpu_affinity(topology, gpu=0):
+    """The "CPU Affinity" of GPU `gpu` in `nvidia-smi topo -m`'s matrix (a taskset list such as
+    "48-63,176-191"), or None. The row's first field that is a list of cores: the link fields
+    before it (X, NV12, SYS, PIX, ...) never are, and the NUMA node after it comes second."""
+    for line in topology.splitlines():
+        fields = line.split()
+        if fields and fields[0] == "GPU%d" % gpu:
+            for field in fields[1:]:
+                if re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", field):
+                    return field
+    return None
 
 
 def number(result, index=2):
@@ -132,11 +146,18 @@ def main():
                         help="speed: each pass then times this many steps' kernels under "
                         "torch.profiler (a row of GPU kernel ms per step against wall ms)")
     parser.add_argument("--pin-cpus", default="", help="run every child on these cores "
-                        "(taskset -c list, e.g. the GPU's NUMA node: nvidia-smi topo -m)")
+                        "(taskset -c list; auto: the GPU's CPU affinity, from nvidia-smi topo -m)")
     args = parser.parse_args()
     global show_notes, pin_cpus
     show_notes = args.notes
     pin_cpus = args.pin_cpus
+    if pin_cpus == "auto":  # the cores nearest the GPU the children use (the first visible)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+        topology = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True,
+                                  text=True).stdout
+        pin_cpus = gpu_cpu_affinity(topology, int(visible) if visible.isdigit() else 0) or ""
+        print("children pinned to cores %s (nvidia-smi topo -m)" % (pin_cpus or "- (unknown)"),
+              flush=True)
     allocators = list(common.ALLOCATORS) + ["cudamem:" + v for v in args.variants]
     if args.allocators:  # the named ones, and every --variants column
         wanted = args.allocators.split(",")
