@@ -153,8 +153,11 @@ def main():
     pin_cpus = args.pin_cpus
     if pin_cpus == "auto":  # the cores nearest the GPU the children use (the first visible)
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-        topology = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True,
-                                  text=True).stdout
+        try:
+            topology = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True,
+                                      text=True).stdout
+        except OSError:  # no nvidia-smi: the children run where the system puts them
+            topology = ""
         pin_cpus = gpu_cpu_affinity(topology, int(visible) if visible.isdigit() else 0) or ""
         print("children pinned to cores %s (nvidia-smi topo -m)" % (pin_cpus or "- (unknown)"),
               flush=True)
