@@ -56,14 +56,17 @@ def run(script, allocator, *arguments, timeout=900):
 
 def gpu_cpu_affinity(topology, gpu=0):
     """The "CPU Affinity" of GPU `gpu` in `nvidia-smi topo -m`'s matrix (a taskset list such as
-    "48-63,176-191"), or None. The row's first field that is a list of cores: the link fields
-    before it (X, NV12, SYS, PIX, ...) never are, and the NUMA node after it comes second."""
+    "48-63,176-191"), or None, also when the matrix says N/A. Found by the header's column:
+    the fields before it (GPUs, NICs: X, NV12, SYS, PIX, ...) are one word each, and the row
+    starts with its own name."""
+    column = None
     for line in topology.splitlines():
         fields = line.split()
-        if fields and fields[0] == "GPU%d" % gpu:
-            for field in fields[1:]:
-                if re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", field):
-                    return field
+        if column is None and "CPU Affinity" in line:
+            column = fields.index("CPU") + 1  # the row's name comes first
+        elif column is not None and fields and fields[0] == "GPU%d" % gpu:
+            cores = fields[column] if column < len(fields) else ""
+            return cores if re.fullmatch(r"\d+(-\d+)?(,\d+(-\d+)?)*", cores) else None
     return None
 
 
