@@ -116,8 +116,8 @@
 #pragma once
 
 #include <cudamem/detail/nvtx.hpp>
-#include <cudamem/detail/spare_nodes.hpp>
 #include <cudamem/detail/vm/driver_mapping.hpp>
+#include <cudamem/detail/vm/large_blocks.hpp>
 #include <cudamem/detail/vm/pool_options.hpp>
 #include <cudamem/detail/vm/pool_sources.hpp>
 #include <cudamem/device.hpp>
@@ -134,13 +134,10 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
-#include <optional>
 #include <source_location>
 #include <stdexcept>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -152,9 +149,9 @@ class vm_pool_resource final : public memory_resource {
   /// A pool on `device` (the current device by default).
   explicit vm_pool_resource(int device = -1, vm_pool_options options = {},
                             std::source_location where = std::source_location::current())
-      : vm_pool_resource(driver_layer(device, options, where),
+      : vm_pool_resource(detail::driver_vm_mapping::for_resource(device, options, where),
                          options.bulk_handle_bytes != 0 && !options.physical_limit
-                             ? driver_layer(device, options, where)
+                             ? detail::driver_vm_mapping::for_resource(device, options, where)
                              : nullptr,
                          options) {}
 
@@ -178,7 +175,8 @@ class vm_pool_resource final : public memory_resource {
         bulk_(detail::make_bulk_vm(vm_, std::move(bulk_layer), options.bulk_handle_bytes,
                                    source_ != &vm_)),
         pool_(*source_, options.pool),
-        large_(vm_.handle_bytes()) {}
+        large_(vm_.handle_bytes()),
+        large_blocks_(*source_, vm_, bulk_.get()) {}
 
   vm_pool_resource(const vm_pool_resource&) = delete;
   vm_pool_resource& operator=(const vm_pool_resource&) = delete;
@@ -203,11 +201,8 @@ class vm_pool_resource final : public memory_resource {
     if (bulk_) {
       s.bulk = bulk_->vm_stats();
     }
-    {
-      const std::lock_guard lock(large_mutex_);
-      s.large_used_bytes = large_used_;
-      s.large_peak_bytes = large_peak_;
-    }
+    s.large_used_bytes = large_blocks_.used_bytes();
+    s.large_peak_bytes = large_blocks_.peak_bytes();
     s.bulk_declined = bulk_declined_.load(std::memory_order_relaxed);
     const resource_stats p = pool_.stats();
     s.pool_used_bytes = p.used_bytes;
@@ -230,10 +225,7 @@ class vm_pool_resource final : public memory_resource {
       }
     } else {
       out = pool_.chunk_ranges();
-      const std::lock_guard lock(large_mutex_);
-      for (const auto& [address, block] : large_blocks_) {
-        out.emplace_back(address, block.bytes);
-      }
+      large_blocks_.append_recorded(out);
     }
     std::sort(out.begin(), out.end());
     return out;
@@ -279,13 +271,6 @@ class vm_pool_resource final : public memory_resource {
   }
 
  private:
-  static std::unique_ptr<detail::vm_mapping_layer> driver_layer(int device,
-                                                                const vm_pool_options& o,
-                                                                std::source_location where) {
-    return std::make_unique<detail::driver_vm_mapping>(device >= 0 ? device : current_device(),
-                                                       o.peers, o.exportable, where);
-  }
-
   // A failure is reported from here, so the report's chain starts at the resource the caller
   // used (this, then the upstream) and keeps the cause. The pool's and the upstream's own
   // failures carry only their cause (detail::discarded_report_scope): one report per failed
@@ -304,33 +289,18 @@ class vm_pool_resource final : public memory_resource {
   }
   void do_deallocate(void* p, std::size_t bytes, std::size_t alignment,
                      stream_view stream) noexcept override {
-    if (bytes >= large_) {
-      if (const std::optional<large_block> recorded = forget_large(p)) {
-        large_source(*recorded).deallocate(p, bytes, alignment, stream);
-      }
-      return;
+    if (bytes < large_) {
+      pool_.deallocate(p, bytes, alignment, stream);
+    } else {
+      large_blocks_.give_back(p, bytes, alignment, &stream);
     }
-    pool_.deallocate(p, bytes, alignment, stream);
   }
   void do_deallocate_sync(void* p, std::size_t bytes, std::size_t alignment) noexcept override {
-    if (bytes >= large_) {
-      if (const std::optional<large_block> recorded = forget_large(p)) {
-        large_source(*recorded).deallocate(p, bytes, alignment);
-      }
-      return;
+    if (bytes < large_) {
+      pool_.deallocate(p, bytes, alignment);
+    } else {
+      large_blocks_.give_back(p, bytes, alignment, nullptr);
     }
-    pool_.deallocate(p, bytes, alignment);
-  }
-
-  /// A block of a handle or more: the bytes asked, and whether the bulk resource holds it.
-  struct large_block {
-    std::size_t bytes = 0;
-    bool bulk = false;
-  };
-  /// Where the block went back to: the bulk vm_resource or the upstream (the vm_resource, the
-  /// caller's adaptor, or plain memory).
-  [[nodiscard]] memory_resource& large_source(const large_block& b) const noexcept {
-    return b.bulk ? static_cast<memory_resource&>(*bulk_) : *source_;
   }
 
   /// A block from the pool; `stream` null: the synchronous form. If the pool cannot have a
@@ -361,20 +331,25 @@ class vm_pool_resource final : public memory_resource {
   /// keep_free, else from the upstream (detail/vm/pool_sources.hpp). If that cannot, the pool
   /// gives back its wholly free chunks, the bulk resource its wholly free handles, and the
   /// upstream is asked once more.
+  /// Over its own vm_resource the block is marked as the pool's (detail/vm/large_blocks.hpp).
   void* allocate_large(std::size_t bytes, std::size_t alignment, const stream_view* stream) {
     const auto ask = [&](memory_resource& source) {
       const detail::discarded_report_scope discarded{source};  // reported from here, if at all
+      if (large_blocks_.marked()) {  // `source` is the vm_resource or the bulk one
+        return static_cast<vm_resource&>(source).allocate_marked(
+            bytes, alignment, stream, detail::large_block_ledger::mark);
+      }
       return stream != nullptr ? allocate_checked(source, bytes, alignment, *stream)
                                : allocate_checked(source, bytes, alignment);
     };
-    large_block block{bytes, bulk_ && bytes % bulk_->handle_bytes() == 0};
+    bool bulk = bulk_ && bytes % bulk_->handle_bytes() == 0;
     void* p = nullptr;
-    if (block.bulk) {
+    if (bulk) {
       try {
         const detail::no_growth_into_reserve_scope above_reserve;
         p = ask(*bulk_);
       } catch (const out_of_memory&) {
-        block.bulk = false;
+        bulk = false;
         bulk_declined_.fetch_add(1, std::memory_order_relaxed);
       }
     }
@@ -393,36 +368,12 @@ class vm_pool_resource final : public memory_resource {
       }
     }
     try {
-      const std::lock_guard lock(large_mutex_);
-      spare_large_.insert(large_blocks_, reinterpret_cast<std::uintptr_t>(p), block);
-      large_used_ += bytes;
-      large_peak_ = std::max(large_peak_, large_used_);
+      large_blocks_.record(p, bytes, bulk);
     } catch (...) {  // no host memory to record it: give it back, nothing happened
-      large_source(block).deallocate(p, bytes, alignment);
+      large_blocks_.give_back_unrecorded(p, bytes, alignment, bulk);
       throw;
     }
     return p;
-  }
-
-  /// The large block at `p` is being freed: its record if it is one (forgotten now; the free
-  /// goes where the block came from); else the free is reported (the upstream's memory also
-  /// holds the pool's chunks: never freed from here).
-  std::optional<large_block> forget_large(const void* p) noexcept {
-    try {
-      const std::lock_guard lock(large_mutex_);
-      const auto it = large_blocks_.find(reinterpret_cast<std::uintptr_t>(p));
-      if (it != large_blocks_.end()) {
-        const large_block recorded = it->second;
-        large_used_ -= recorded.bytes;
-        spare_large_.erase(large_blocks_, it);
-        return recorded;
-      }
-    } catch (...) {  // the mutex could not be locked: report below
-    }
-    report_problem(
-        "vm_pool_resource: deallocate of a block of a handle or more that it did not allocate, "
-        "or already freed (or a size other than the one allocated); ignored");
-    return std::nullopt;
   }
 
   bool do_is_equal(const memory_resource& other) const noexcept override { return this == &other; }
@@ -430,10 +381,10 @@ class vm_pool_resource final : public memory_resource {
   resource_stats do_stats() const override {
     resource_stats s = pool_.stats();
     s.held_beside = bulk_ ? bulk_->stats().reserved_bytes : 0;  // not under upstream()
-    const std::lock_guard lock(large_mutex_);
-    s.reserved_bytes += large_used_;
-    s.used_bytes += large_used_;
-    s.peak_used_bytes += large_peak_;
+    const std::size_t large_used = large_blocks_.used_bytes();
+    s.reserved_bytes += large_used;
+    s.used_bytes += large_used;
+    s.peak_used_bytes += large_blocks_.peak_bytes();
     return s;
   }
   memory_resource* do_upstream() const noexcept override {
@@ -478,13 +429,8 @@ class vm_pool_resource final : public memory_resource {
   std::unique_ptr<vm_resource> bulk_;  ///< bulk blocks' (bulk_handle_bytes), or none
   pool_resource pool_;
   std::size_t large_;  ///< blocks of this many bytes or more are the upstream's (a handle)
-  mutable std::mutex large_mutex_;  ///< guards the three below
-  using large_map = std::unordered_map<std::uintptr_t, large_block>;
-  large_map large_blocks_;  ///< address -> the block
-  detail::spare_nodes<large_map> spare_large_;  ///< nodes of freed blocks, for the next ones
+  detail::large_block_ledger large_blocks_;  ///< the blocks of `large_` bytes or more
   std::atomic<std::size_t> bulk_declined_{0};  ///< vm_pool_stats::bulk_declined
-  std::size_t large_used_ = 0;
-  std::size_t large_peak_ = 0;
 };
 
 }  // namespace cudamem

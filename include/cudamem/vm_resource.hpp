@@ -88,28 +88,21 @@
 // - Host memory: the records of blocks and free ranges reuse the nodes of freed ones
 //   (detail/spare_nodes.hpp), so once warm, taking and freeing blocks allocates none.
 // - Thread-safe: one mutex (a pool above calls it for chunks only).
-// - Growth ahead (`grow_ahead_bytes`; by default 4 GiB over a real device, 0 over a layer of device
-//   -1, the simulated one): after an allocation leaves less than a quarter of what it holds (up to
-//   grow_ahead_bytes) free at the frontier, a thread of its own, started then, creates and maps the
-//   next handles with no lock held and adds them as free memory, where a growth would have put
-//   them. A request that finds no fit while the thread is busy waits for its batches (then grows
-//   itself if still short). The thread stops at "device full" and at `physical_limit`; a driver
-//   error there is reported (report_problem) and ends it for good, the resource then growing on the
-//   callers' threads. `release()` gives back what was made ahead and makes nothing more until an
-//   allocation asks; `wait_for_growth()` waits for the thread to be idle; the destructor joins it
-//   first. vm_stats().handles_created_ahead counts its handles. - Memory held ahead gives way to
-//   the rest of the process. The thread never takes the device below `grow_ahead_floor_bytes` of
-//   free memory (default_grow_ahead_floor and the constants above it say why: 2 GiB or 1/32 of the
-//   device); the resource's own growth for a request may. Memory held ahead — whole handles free at
-//   the end of what is mapped, made by the thread or left by a growth: vm_stats().held_ahead_bytes
-//   — is given back before any cudamem resource of the process fails for lack of memory on this
-//   device (device_resource, async_resource, ipc_pool_resource, nccl_mem_resource, another
-//   vm_resource; pools and arenas through their upstreams; a simulated_resource for vm_resources
-//   over it: detail/held_ahead.hpp), which then tries once more; `trim()` gives it back on demand.
-//   Either waits for a batch under way, then for frees pending on the memory (on the host); growth
-//   ahead then waits until the resource grows for a request of its own (so it does not take back at
-//   once what another resource needs), as it does at the floor. A vm_resource that cannot grow asks
-//   the others before it fails, with its own lock released.
+// - Growth ahead (`grow_ahead_bytes`: 4 GiB by default over a real device, 0 over the simulated
+//   one): once an allocation leaves less than a quarter of what is held (at most that) free at
+//   the frontier, a thread of its own maps the next handles with no lock held, where a growth
+//   would have put them. A request that finds no fit meanwhile waits for its batches, then grows
+//   itself if still short. The thread stops at "device full" and at `physical_limit`; a driver
+//   error ends it for good (reported). `wait_for_growth()` waits for it to be idle; the
+//   destructor joins it; vm_stats().handles_created_ahead counts its handles.
+// - Memory held ahead gives way. The thread never takes the device below
+//   `grow_ahead_floor_bytes` free (default_grow_ahead_floor: 2 GiB or 1/32 of the device). What
+//   is held ahead (whole free handles at the end of what is mapped: held_ahead_bytes) is given
+//   back before any cudamem resource of the process fails for lack of memory on this device,
+//   which then tries once more (detail/held_ahead.hpp lists them); `trim()` and `release()` give
+//   it back on demand. Growth ahead then waits for a growth of the resource's own.
+// - Marked blocks: `allocate_marked` records a byte with the block; `deallocate_marked` frees
+//   only a block with that mark, and otherwise frees and reports nothing (its owner does).
 // - A reserve for the rest of the process (`keep_free_bytes`, 0 by default): growth for a
 //   request that would leave the device less free than that recycles free handles first and
 //   creates only what they cannot give (into the reserve: it is not a limit); growth ahead
@@ -159,7 +152,8 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
   /// Memory on `device` (the current device by default).
   explicit vm_resource(int device = -1, vm_resource_options options = {},
                        std::source_location where = std::source_location::current())
-      : vm_resource(make_driver_layer(device, options, where), std::move(options)) {}
+      // A copy, not a move: the arguments' order of evaluation is unspecified.
+      : vm_resource(detail::driver_vm_mapping::for_resource(device, options, where), options) {}
 
   /// Memory from any mapping layer (tests: detail::simulated_vm_mapping).
   explicit vm_resource(std::unique_ptr<detail::vm_mapping_layer> layer,
@@ -167,7 +161,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
       : memory_resource(memory_kind::device, layer ? layer->device() : -1),
         layer_(std::move(layer)),
         options_(std::move(options)),
-        config_(make_config(layer_.get(), options_)),
+        config_(detail::vm_config::from(layer_.get(), options_)),  // throws for bad options
         handles_(config_.handle),
         space_(config_.reservation, config_.reservation_alignment()),
         compactor_(*layer_, config_, free_, handles_, space_),
@@ -274,16 +268,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
   [[nodiscard]] vm_block_handles handles_covering(const void* p, std::size_t bytes) const {
     const std::lock_guard lock(mutex_);
     require_exportable("handles_covering");
-    vm_block_handles out;
-    out.address = reinterpret_cast<std::uintptr_t>(p);
-    out.bytes = out.requested = bytes;
-    const std::optional<std::size_t> offset = handles_.covering(out.address, bytes, out.handles);
-    if (!offset) {
-      throw std::invalid_argument("cudamem::vm_resource::handles_covering: the range is not in "
-                                  "memory this resource has mapped");
-    }
-    out.offset = *offset;
-    return out;
+    return blocks_.handles_covering(reinterpret_cast<std::uintptr_t>(p), bytes);
   }
 
   /// Peer access for virtual memory (cudaDeviceEnablePeerAccess covers cudaMalloc'd only).
@@ -298,6 +283,30 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
     }
   }
 
+  // --- blocks an owner marks (vm_pool_resource's large blocks) -----------------------------
+
+  /// allocate() (`stream` null: synchronous), the block recorded with `mark`. Why: an owner
+  /// that also takes blocks it cuts up (a pool's chunks, mark 0) then frees its own blocks
+  /// without a record of its own (a lookup fewer per block) and never frees a chunk for one.
+  [[nodiscard]] void* allocate_marked(std::size_t bytes, std::size_t alignment,
+                                      const stream_view* stream, std::uint8_t mark) {
+    if (bytes == 0) {
+      return nullptr;
+    }
+    validate_alignment(alignment);
+    return allocate_range(bytes, alignment, stream ? detail::stream_tag(stream->get()) : nullptr,
+                          stream == nullptr, mark);
+  }
+  /// deallocate() of a block from allocate_marked with the same `mark`: returns the bytes it
+  /// was asked with, or 0 when the free failed (reported; the block stays live); nullopt, with
+  /// nothing freed and nothing reported, when no live block with that mark starts at `p`.
+  std::optional<std::size_t> deallocate_marked(void* p, std::size_t bytes,
+                                               const stream_view* stream,
+                                               std::uint8_t mark) noexcept {
+    return free_range_at(p, bytes, stream ? detail::stream_tag(stream->get()) : nullptr,
+                         stream == nullptr, mark);
+  }
+
   /// The mapping layer (tests inspect the simulated one).
   [[nodiscard]] detail::vm_mapping_layer& mapping_layer() const noexcept { return *layer_; }
 
@@ -308,24 +317,6 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
                                   ": the resource was not made exportable "
                                   "(vm_resource_options::exportable)");
     }
-  }
-
-  /// The config of `options` over `layer`, the floor of growth ahead resolved.
-  static detail::vm_config make_config(const detail::vm_mapping_layer* layer,
-                                       const vm_resource_options& options) {
-    detail::vm_config c = detail::vm_config::from(layer, options);  // throws for a null layer
-    c.ahead_floor = std::max(options.grow_ahead_floor_bytes.value_or(
-                                 default_grow_ahead_floor(layer->device_total())),
-                             options.keep_free_bytes);
-    c.keep_free = options.keep_free_bytes;
-    return c;
-  }
-
-  static std::unique_ptr<detail::vm_mapping_layer> make_driver_layer(
-      int device, const vm_resource_options& options, const std::source_location& where) {
-    const int id = device >= 0 ? device : current_device();
-    return std::make_unique<detail::driver_vm_mapping>(id, options.peers, options.exportable,
-                                                       where);
   }
 
   // --- the memory_resource interface ------------------------------------------------------
@@ -364,7 +355,8 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
 
   // --- allocation -------------------------------------------------------------------------
 
-  void* allocate_range(std::size_t bytes, std::size_t alignment, cudaStream_t stream, bool sync) {
+  void* allocate_range(std::size_t bytes, std::size_t alignment, cudaStream_t stream, bool sync,
+                       std::uint8_t mark = 0) {
     const std::size_t limit = options_.physical_limit.value_or(layer_->device_total());
     if (bytes > limit || alignment > limit) {
       throw_out_of_memory(*this, bytes, alignment,
@@ -378,7 +370,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
                                                                  granule),
                                granule};
     std::unique_lock lock(mutex_);
-    if (void* p = blocks_.take_fit(r, bytes, stream, sync)) {
+    if (void* p = blocks_.take_fit(r, bytes, stream, sync, mark)) {
       return grew_ahead(lock, p);
     }
     std::size_t given_back = 0;  // by the other vm_resources of the process (below)
@@ -389,7 +381,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
       // where the thread's batch goes (make_room runs only once the thread is idle).
       while (ahead_ && ahead_->busy()) {
         ahead_->wait_next_step(lock);
-        if (void* p = blocks_.take_fit(r, bytes, stream, sync)) {
+        if (void* p = blocks_.take_fit(r, bytes, stream, sync, mark)) {
           return grew_ahead(lock, p);
         }
       }
@@ -399,7 +391,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
       if (compactor_.make_room(r.needed, r.whole, cause,
                                [&] { return blocks_.settle_run(r, stream, sync); },
                                detail::ordered_on(stream, sync))) {
-        if (void* p = blocks_.take_fit(r, bytes, stream, sync)) {
+        if (void* p = blocks_.take_fit(r, bytes, stream, sync, mark)) {
           return grew_ahead(lock, p);
         }
       }
@@ -470,15 +462,23 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
     }
   }
 
-  void free_range_at(void* p, std::size_t bytes, cudaStream_t stream, bool sync) noexcept {
+  /// Frees the block at `p`; with a mark, only one that carries it (deallocate_marked's
+  /// result; without one, a bad free is reported and the result is meaningless).
+  std::optional<std::size_t> free_range_at(void* p, std::size_t bytes, cudaStream_t stream,
+                                           bool sync, std::optional<std::uint8_t> mark = {}) noexcept {
+    const auto address = reinterpret_cast<std::uintptr_t>(p);
     try {
       const std::lock_guard lock(mutex_);
-      blocks_.free(reinterpret_cast<std::uintptr_t>(p), bytes, stream, sync);
+      if (mark) {
+        return blocks_.free_marked(address, bytes, stream, sync, *mark);
+      }
+      blocks_.free(address, bytes, stream, sync);
     } catch (const cuda_error& e) {
-      report_error(e.code(), std::string(e.what()) + " (the range is kept: it may still be in use)");
+      report_error(e.code(), std::string(e.what()) + " (the range is kept: it may be in use)");
     } catch (const std::exception& e) {
       report_problem(std::string("vm_resource: ") + e.what());
     }
+    return 0;
   }
 
   std::unique_ptr<detail::vm_mapping_layer> layer_;

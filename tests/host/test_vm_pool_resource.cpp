@@ -409,6 +409,40 @@ TEST_CASE("vm_pool: bad input") {
   CHECK(s.layer.violations == 0);
 }
 
+TEST_CASE("vm_pool: a chunk is never freed as a large block, with or without an adaptor") {
+  // Over its own vm_resource the pool's large blocks are marked there and recorded nowhere
+  // else (detail/vm/large_blocks.hpp); over an adaptor they are recorded in the pool. Either
+  // way, the base of one of the pool's chunks freed with a large size is a bad free.
+  vm_pool_options with_adaptor;
+  with_adaptor.upstream_adaptor = [](vm_resource& vm) {
+    return std::make_unique<statistics_adaptor>(vm);
+  };
+  for (const bool adaptor : {false, true}) {
+    CAPTURE(adaptor);
+    sim_pool s{8 * GiB, adaptor ? with_adaptor : vm_pool_options{}};
+    void* small = s.pool.allocate(MiB);
+    const auto chunks = s.pool.pool().chunk_ranges();
+    REQUIRE(chunks.size() == 1);
+    REQUIRE(addr(small) == chunks[0].first);  // the chunk's base: what the vm_resource gave
+    void* large = s.pool.allocate(100 * MiB);
+    const std::size_t mapped_used = s.pool.upstream_vm().stats().used_bytes;
+    cudamem_test::captured_errors errors;
+    s.pool.deallocate(small, 64 * MiB);  // the chunk's size, even
+    s.pool.deallocate(static_cast<char*>(large) + 4 * MiB, 96 * MiB);  // inside a large block
+    CHECK(errors.messages().size() == 2);
+    CHECK(s.pool.upstream_vm().stats().used_bytes == mapped_used);
+    CHECK(s.pool.vm_stats().large_used_bytes == 100 * MiB);
+    s.pool.deallocate(large, 100 * MiB);
+    s.pool.deallocate(large, 100 * MiB);  // a double free of a large block
+    CHECK(errors.messages().size() == 3);
+    CHECK(s.pool.vm_stats().large_used_bytes == 0);
+    CHECK(s.pool.vm_stats().large_peak_bytes == 100 * MiB);
+    s.pool.deallocate(small, MiB);
+    CHECK(s.pool.stats().used_bytes == 0);
+    CHECK(s.layer.violations == 0);
+  }
+}
+
 TEST_CASE("vm_pool: an upstream_adaptor sees every chunk and large block, both ways") {
   statistics_adaptor* seen = nullptr;
   vm_pool_options options;

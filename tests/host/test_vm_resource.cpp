@@ -868,6 +868,46 @@ TEST_CASE("vm_resource: bad input") {
   CHECK(s.layer.violations == 0);
 }
 
+TEST_CASE("vm_resource: a marked block is freed only by its mark; everything else is left alone") {
+  sim_vm s{GiB};
+  const stream_view on{fake_stream(1)};
+  void* chunk = s.vm.allocate(64 * MiB, 256, on);  // unmarked, as a pool's chunk is
+  void* marked = s.vm.allocate_marked(100 * MiB, 256, &on, 1);
+  void* marked_sync = s.vm.allocate_marked(40 * MiB, 256, nullptr, 1);
+  REQUIRE(marked != nullptr);
+  CHECK(s.layer.is_accessible(addr(marked), 100 * MiB));
+  const std::size_t used = s.vm.stats().used_bytes;
+  {
+    cudamem_test::captured_errors errors;
+    int not_ours = 0;
+    // Nothing freed and nothing reported: the owner decides what a miss means.
+    CHECK_FALSE(s.vm.deallocate_marked(chunk, 64 * MiB, &on, 1).has_value());  // mark 0
+    CHECK_FALSE(s.vm.deallocate_marked(marked, 100 * MiB, &on, 2).has_value());  // another mark
+    CHECK_FALSE(s.vm.deallocate_marked(static_cast<char*>(marked) + MiB, MiB, &on, 1));
+    CHECK_FALSE(s.vm.deallocate_marked(&not_ours, 100 * MiB, &on, 1).has_value());
+    CHECK_FALSE(s.vm.deallocate_marked(nullptr, 100 * MiB, &on, 1).has_value());
+    CHECK(errors.messages().empty());
+    CHECK(s.vm.stats().used_bytes == used);
+  }
+  const std::size_t frees_before = s.layer.calls.record_free;
+  CHECK(s.vm.deallocate_marked(marked, 100 * MiB, &on, 1) == 100 * MiB);
+  CHECK(s.layer.calls.record_free == frees_before + 1);  // in stream order, as deallocate
+  CHECK_FALSE(s.vm.deallocate_marked(marked, 100 * MiB, &on, 1).has_value());  // already freed
+  {
+    cudamem_test::captured_errors errors;  // a size mismatch: reported, freed as allocated
+    CHECK(s.vm.deallocate_marked(marked_sync, 30 * MiB, nullptr, 1) == 40 * MiB);
+    CHECK(errors.messages().size() == 1);
+  }
+  CHECK(s.layer.calls.record_free == frees_before + 1);  // the synchronous form records none
+  s.vm.deallocate(chunk, 64 * MiB, 256, on);
+  CHECK(s.vm.stats().used_bytes == 0);
+  // Bad input, as allocate's: nothing for 0 bytes, std::invalid_argument for an alignment.
+  CHECK(s.vm.allocate_marked(0, 256, &on, 1) == nullptr);
+  CHECK_THROWS_AS(s.vm.allocate_marked(MiB, 3, &on, 1), std::invalid_argument);
+  CHECK(s.vm.stats().used_bytes == 0);
+  CHECK(s.layer.violations == 0);
+}
+
 TEST_CASE("vm_resource: a device that says full leaks nothing, and memory coming back is found") {
   sim_vm s{GiB, handles_of(32 * MiB)};
   s.layer.fail_next_creates(100);

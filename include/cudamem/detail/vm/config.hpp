@@ -13,7 +13,9 @@
 
 #include <cudamem/detail/thread_flag_scope.hpp>
 #include <cudamem/detail/vm/mapping.hpp>
+#include <cudamem/detail/vm/options.hpp>  // default_grow_ahead_floor
 
+#include <algorithm>
 #include <cstddef>
 #include <stdexcept>
 #include <string>
@@ -58,6 +60,10 @@ struct vm_config {
     c.reservation =
         round_up(o.reserve_bytes != 0 ? o.reserve_bytes : 4 * layer->device_total(), c.granule);
     c.reservations_before_sweep = o.reservations_before_sweep;
+    c.ahead_floor = std::max(
+        o.grow_ahead_floor_bytes.value_or(default_grow_ahead_floor(layer->device_total())),
+        o.keep_free_bytes);
+    c.keep_free = o.keep_free_bytes;
     return c;
   }
 

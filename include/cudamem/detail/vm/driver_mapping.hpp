@@ -51,6 +51,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
@@ -87,6 +88,15 @@ class driver_vm_mapping final : public vm_mapping_layer, private stream_listener
   explicit driver_vm_mapping(int device, std::vector<int> peers = {},
                              std::source_location where = std::source_location::current())
       : driver_vm_mapping(device, std::move(peers), false, where) {}
+
+  /// The layer of a vm_resource on `device` (-1: the current one) with options `o` (a
+  /// vm_resource_options: its peers and exportable).
+  template <class Options>
+  static std::unique_ptr<vm_mapping_layer> for_resource(int device, const Options& o,
+                                                        std::source_location where) {
+    return std::make_unique<driver_vm_mapping>(device >= 0 ? device : current_device(), o.peers,
+                                               o.exportable, where);
+  }
 
   /// `exportable`: physical memory is created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
   /// requested, so that its handles can be exported to other processes (vm_ipc.hpp); a device

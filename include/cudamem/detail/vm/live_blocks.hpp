@@ -6,6 +6,8 @@
 //   detail::vm_live_blocks blocks{layer, config, free, handles};
 //   void* p = blocks.take_fit(request, bytes, stream, /*sync=*/false);  // nullptr: none fits
 //   blocks.free(address, bytes, stream, false);   // a bad free goes to the error handler
+//   void* q = blocks.take_fit(request, bytes, stream, false, /*mark=*/1);  // an owner's mark
+//   blocks.free_marked(address, bytes, stream, false, 1);  // only if it carries that mark
 //   vm_block_handles h = blocks.handles_of(address);  // for export (vm_ipc.hpp)
 //
 // What it owns: the record of each live block (its size as placed and what was asked: a free
@@ -20,6 +22,9 @@
 //   fails, the block stays live: it may still be in use.
 // - The records reuse the nodes of freed blocks (detail/spare_nodes.hpp): once warm, taking
 //   and freeing allocates no host memory.
+// - A block may carry its owner's mark (a byte, 0 by default): vm_pool_resource marks its
+//   large blocks, so that it frees them without a record of its own and never frees one of its
+//   pool's chunks (mark 0) for a large block (vm_resource::deallocate_marked says why).
 //
 // Part of vm_resource.hpp, which holds the lock around every call; where a block goes inside
 // the free ranges is placement.hpp, making room when nothing fits is compactor.hpp.
@@ -39,6 +44,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -57,8 +63,9 @@ class vm_live_blocks {
 
   /// The best-fitting free range for `r` (placement.hpp), carved and made ready for `stream`
   /// (null with sync: for everyone); nullptr when none fits. Throws only for lack of host
-  /// memory, before anything has changed.
-  void* take_fit(const vm_request& r, std::size_t requested, cudaStream_t stream, bool sync) {
+  /// memory, before anything has changed. The block carries `mark` (see free_marked).
+  void* take_fit(const vm_request& r, std::size_t requested, cudaStream_t stream, bool sync,
+                 std::uint8_t mark = 0) {
     const auto fit = best_fit(free_, handles_, r, sync);
     if (!fit) {
       return nullptr;
@@ -76,7 +83,7 @@ class vm_live_blocks {
     }
     const std::size_t bytes = fit->spot.end - fit->spot.start;
     // May throw (no host memory): nothing has changed yet.
-    spare_.insert(live_, fit->spot.start, block{bytes, requested});
+    spare_.insert(live_, fit->spot.start, block{bytes, requested, mark});
     free_.carve(node, fit->spot.start, fit->spot.end);
     used_bytes_ += bytes;
     requested_bytes_ += requested;
@@ -115,20 +122,21 @@ class vm_live_blocks {
       report_problem("vm_resource: deallocate of a pointer it did not allocate, or already freed");
       return;
     }
-    const block b = it->second;
-    if (vm_config::round_up(bytes, config_.granule) !=
-        vm_config::round_up(b.requested, config_.granule)) {
-      report_problem("vm_resource: deallocate with " + std::to_string(bytes) +
-                     " bytes of a range allocated with " + std::to_string(b.requested) +
-                     "; freeing the allocated range");
+    free_live(it, bytes, stream, sync);
+  }
+
+  /// free() of a block taken with `mark`: the bytes it was asked with, once freed; nullopt,
+  /// with nothing freed and nothing reported, when no live block starts at `address` or it
+  /// carries another mark. Throws as free().
+  std::optional<std::size_t> free_marked(std::uintptr_t address, std::size_t bytes,
+                                         cudaStream_t stream, bool sync, std::uint8_t mark) {
+    const auto it = live_.find(address);
+    if (it == live_.end() || it->second.mark != mark) {
+      return std::nullopt;
     }
-    if (!sync) {
-      layer_.record_free(stream, address, b.bytes);  // throws: the range stays live
-    }
-    spare_.erase(live_, it);  // its node records the next block: no allocation
-    used_bytes_ -= b.bytes;
-    requested_bytes_ -= b.requested;
-    free_.insert(address, {b.bytes, stream, sync});
+    const std::size_t requested = it->second.requested;
+    free_live(it, bytes, stream, sync);
+    return requested;
   }
 
   /// The handles under the live block at `address`; std::invalid_argument if none starts
@@ -148,6 +156,21 @@ class vm_live_blocks {
     return out;
   }
 
+  /// The handles under [address, address + bytes) of mapped memory (live or not);
+  /// std::invalid_argument if any of it is not mapped.
+  [[nodiscard]] vm_block_handles handles_covering(std::uintptr_t address, std::size_t bytes) const {
+    vm_block_handles out;
+    out.address = address;
+    out.bytes = out.requested = bytes;
+    const std::optional<std::size_t> offset = handles_.covering(address, bytes, out.handles);
+    if (!offset) {
+      throw std::invalid_argument("cudamem::vm_resource::handles_covering: the range is not in "
+                                  "memory this resource has mapped");
+    }
+    out.offset = *offset;
+    return out;
+  }
+
   [[nodiscard]] std::size_t count() const noexcept { return live_.size(); }
   /// Bytes of the live blocks as placed (granule multiples), what their callers asked for,
   /// and the most ever placed at once.
@@ -159,8 +182,29 @@ class vm_live_blocks {
   struct block {
     std::size_t bytes;      ///< granule multiple
     std::size_t requested;  ///< what the caller asked for
+    std::uint8_t mark;      ///< its owner's (take_fit), 0 by default
   };
   using block_map = std::unordered_map<std::uintptr_t, block>;
+
+  /// Frees the live block at `it` (asked to free `bytes` of it: another size is reported, and
+  /// the block freed as placed).
+  void free_live(block_map::iterator it, std::size_t bytes, cudaStream_t stream, bool sync) {
+    const std::uintptr_t address = it->first;
+    const block b = it->second;
+    if (vm_config::round_up(bytes, config_.granule) !=
+        vm_config::round_up(b.requested, config_.granule)) {
+      report_problem("vm_resource: deallocate with " + std::to_string(bytes) +
+                     " bytes of a range allocated with " + std::to_string(b.requested) +
+                     "; freeing the allocated range");
+    }
+    if (!sync) {
+      layer_.record_free(stream, address, b.bytes);  // throws: the range stays live
+    }
+    spare_.erase(live_, it);  // its node records the next block: no allocation
+    used_bytes_ -= b.bytes;
+    requested_bytes_ -= b.requested;
+    free_.insert(address, {b.bytes, stream, sync});
+  }
 
   vm_mapping_layer& layer_;
   const vm_config& config_;
