@@ -70,6 +70,38 @@ def gpu_cpu_affinity(topology, gpu=0):
     return None
 
 
+def expand_cpu_list(text):
+    """The CPUs of a taskset/sysfs list such as "0-3,8,10-11", in order."""
+    cpus = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def one_per_core(cpu_list, siblings_of=None):
+    """`cpu_list` (a taskset list) with one logical CPU per physical core: the first of each
+    group of hyperthread siblings (sysfs's thread_siblings_list, read by `siblings_of(cpu)`;
+    a CPU whose siblings cannot be read is kept). Why: the training loop is bound by two host
+    threads (Python's and autograd's); placed on two siblings of one core, both run slower, and
+    that differs from process to process, whatever the allocator."""
+    def from_sysfs(cpu):
+        path = "/sys/devices/system/cpu/cpu%d/topology/thread_siblings_list" % cpu
+        with open(path) as f:
+            return f.read().strip()
+    siblings_of = siblings_of or from_sysfs
+    kept, seen = [], set()
+    for cpu in expand_cpu_list(cpu_list):
+        try:
+            group = tuple(expand_cpu_list(siblings_of(cpu)))
+        except (OSError, ValueError):
+            group = (cpu,)
+        if group not in seen:
+            seen.add(group)
+            kept.append(cpu)
+    return ",".join(str(c) for c in kept)
+
+
 def number(result, index=2):
     return float(result.split()[index])
 
@@ -149,7 +181,8 @@ def main():
                         help="speed: each pass then times this many steps' kernels under "
                         "torch.profiler (a row of GPU kernel ms per step against wall ms)")
     parser.add_argument("--pin-cpus", default="", help="run every child on these cores "
-                        "(taskset -c list; auto: the GPU's CPU affinity, from nvidia-smi topo -m)")
+                        "(taskset -c list; auto: the GPU's CPU affinity, from nvidia-smi topo -m, one "
+                        "logical CPU per physical core)")
     args = parser.parse_args()
     global show_notes, pin_cpus
     show_notes = args.notes
@@ -164,6 +197,9 @@ def main():
         pin_cpus = gpu_cpu_affinity(topology, int(visible) if visible.isdigit() else 0) or ""
         print("children pinned to cores %s (nvidia-smi topo -m)" % (pin_cpus or "- (unknown)"),
               flush=True)
+        if pin_cpus:  # one logical CPU per physical core (one_per_core says why)
+            pin_cpus = one_per_core(pin_cpus)
+            print("  one per physical core: %s" % pin_cpus, flush=True)
     allocators = list(common.ALLOCATORS) + ["cudamem:" + v for v in args.variants]
     if args.allocators:  # the named ones, and every --variants column
         wanted = args.allocators.split(",")
