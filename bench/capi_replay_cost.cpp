@@ -8,7 +8,8 @@
 //   bench_capi_replay_cost LOG [--config "simulate_bytes=16GiB"] [--touch-kib 4096] [--passes 5]
 //
 //   LOG          a cudamem log (logging_adaptor's format; bench/python/trace.py writes one
-//                from a PyTorch run; gunzip a .gz first)
+//                from a PyTorch run; gunzip a .gz first). bench/traces/train_b26.log.gz is
+//                one: 60 steps of bench/python/train.py at batch 26, recorded on an H200
 //   --config     the C API configuration (cudamem_c.h); must contain simulate_bytes (default
 //                "simulate_bytes=16GiB": the C API's defaults otherwise, 4 MiB handles)
 //   --touch-kib  bytes touched between calls, in KiB (default 0)
