@@ -1,6 +1,7 @@
 // vm_pool_resource (a pool_resource over a vm_resource) over the simulated mapping layer (no
 // GPU): the composition's reports, swiss cheese and the bench's mixed trace on an 80 GiB
 // device, the physical limit, destruction, bad input, and a randomised run against a model.
+#include <cudamem/failing_adaptor.hpp>
 #include <cudamem/statistics_adaptor.hpp>
 #include <cudamem/vm_pool_resource.hpp>
 
@@ -15,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <utility>
 #include <vector>
 
 using namespace cudamem;
@@ -439,6 +441,59 @@ TEST_CASE("vm_pool: a chunk is never freed as a large block, with or without an 
     CHECK(s.pool.vm_stats().large_peak_bytes == 100 * MiB);
     s.pool.deallocate(small, MiB);
     CHECK(s.pool.stats().used_bytes == 0);
+    CHECK(s.layer.violations == 0);
+  }
+}
+
+TEST_CASE("vm_pool: a failure at any call of the upstream leaks nothing, marked or recorded") {
+  // A small block (a chunk), a large block and a medium one (a chunk of its own), freed in
+  // turn; the k-th call to the upstream fails (once, then from there on). What succeeded is
+  // freed; then nothing is in use and the large blocks' count is 0.
+  const auto run = [](vm_pool_resource& pool) {
+    std::vector<std::pair<void*, std::size_t>> made;
+    bool failed = false;
+    for (const std::size_t bytes : {MiB, 100 * MiB, 20 * MiB, 64 * MiB}) {
+      try {
+        made.emplace_back(pool.allocate(bytes), bytes);
+      } catch (const out_of_memory&) {
+        failed = true;
+      }
+    }
+    for (const auto& [p, bytes] : made) {
+      pool.deallocate(p, bytes);
+    }
+    CHECK(pool.stats().used_bytes == 0);
+    CHECK(pool.vm_stats().large_used_bytes == 0);
+    return failed;
+  };
+  SECTION("recorded: an adaptor between the pool and its vm_resource fails") {
+    failing_adaptor* faults = nullptr;
+    vm_pool_options options;
+    options.upstream_adaptor = [&faults](vm_resource& vm) {
+      auto made = std::make_unique<failing_adaptor>(vm);
+      faults = made.get();
+      return made;
+    };
+    for (const bool from_then_on : {false, true}) {
+      for (std::size_t k = 1; k <= 6; ++k) {
+        CAPTURE(from_then_on, k);
+        sim_pool s{8 * GiB, options};
+        from_then_on ? faults->fail_from(k) : faults->fail_call(k);
+        run(s.pool);
+        s.pool.release();
+        CHECK(s.pool.upstream_vm().stats().used_bytes == 0);
+        CHECK(s.layer.violations == 0);
+      }
+    }
+  }
+  SECTION("marked: the device under the vm_resource fails") {
+    sim_pool s{8 * GiB};
+    s.layer.fail_next_creates(1000);  // nothing can be mapped: every request fails
+    CHECK(run(s.pool));
+    s.layer.fail_next_creates(0);
+    CHECK_FALSE(run(s.pool));  // and then nothing was left behind in the way
+    s.pool.release();
+    CHECK(s.pool.upstream_vm().stats().used_bytes == 0);
     CHECK(s.layer.violations == 0);
   }
 }
