@@ -6,13 +6,15 @@
                                     [--train-start B --train-step S] [--train-batch B]
                                     [--speed-passes N] [--speed-window STEPS] [--notes]
                                     [--profile-steps N] [--pin-cpus LIST|auto]
+                                    [--speed-side-by-side]
 
 --variants adds cudamem with other options as more columns ("resource=pool",
 "handle_bytes=16MiB,grow_ahead_bytes=0": cudamem.torch.install()'s keywords); --allocators
 keeps only the named columns (default, expandable, cudamem) and the variants;
 --train-start/--train-step skip the coarse search; --only speed measures steps/s alone, at
 --train-batch; --notes prints what each cudamem child said about its state (stats, the failed
-allocation's report).
+allocation's report); --speed-side-by-side runs each pass's allocators at the same time, each on
+a GPU and physical cores of its own, and swaps the GPUs from pass to pass.
 
 Allocators: PyTorch's default caching allocator, the same with expandable_segments:True, and
 cudamem.torch.install() (vm_pool). The package is imported from ../../python; its library is
@@ -33,25 +35,46 @@ show_notes = False  # --notes: print what the children said about cudamem's stat
 pin_cpus = ""  # --pin-cpus: a taskset list every child runs on
 
 
-def run(script, allocator, *arguments, timeout=900):
+def start(script, allocator, *arguments, cpus="", gpu=None):
+    """A child running `script` under `allocator`, on `cpus` (a taskset list; default: every
+    child's --pin-cpus) and, when `gpu` is given, on that GPU alone (CUDA_VISIBLE_DEVICES)."""
     command = [sys.executable, os.path.join(HERE, script)] + [str(a) for a in arguments]
-    if pin_cpus:  # the same cores for every child (--pin-cpus)
-        command = ["taskset", "-c", pin_cpus] + command
-    done = subprocess.run(command, env=common.environment_for(allocator), capture_output=True,
-                          text=True, timeout=timeout)
-    results = [line[len("RESULT "):] for line in done.stdout.splitlines()
-               if line.startswith("RESULT ")]
-    if done.returncode != 0 or not results:
-        sys.stderr.write("%s %s %s failed (%d):\n%s\n%s\n" % (script, allocator, arguments,
-                                                              done.returncode, done.stdout[-2000:],
-                                                              done.stderr[-3000:]))
+    cpus = cpus or pin_cpus
+    if cpus:
+        command = ["taskset", "-c", cpus] + command
+    env = common.environment_for(allocator)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    child.what = "%s %s %s" % (script, allocator, arguments)
+    return child
+
+
+def finish(child, timeout=900):
+    """The RESULT lines of a child from start() (printed), or [] when it failed (its output
+    printed to stderr). A child past `timeout` seconds is killed and counts as failed."""
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        out, err = child.communicate()
+        err += "\n(killed after %d s)" % timeout
+    results = [line[len("RESULT "):] for line in out.splitlines() if line.startswith("RESULT ")]
+    if child.returncode != 0 or not results:
+        sys.stderr.write("%s failed (%d):\n%s\n%s\n"
+                         % (child.what, child.returncode, out[-2000:], err[-3000:]))
         return []
     for r in results:
         print("  " + r, flush=True)
-    for line in done.stdout.splitlines():
+    for line in out.splitlines():
         if line.startswith("NOTE ") and show_notes:
             print("    " + line[len("NOTE "):], flush=True)
     return results
+
+
+def run(script, allocator, *arguments, timeout=900):
+    return finish(start(script, allocator, *arguments), timeout)
 
 
 def gpu_cpu_affinity(topology, gpu=0):
@@ -106,28 +129,66 @@ def number(result, index=2):
     return float(result.split()[index])
 
 
-def speed_row(allocators, batch, free, args):
+def side_by_side_plan(allocators, gpus, cpus_of, passes):
+    """Where each allocator runs in each pass when the passes run side by side: pass n puts
+    allocator i on GPU gpus[(i + n) % k] (k allocators), so each allocator visits every GPU in
+    turn and no GPU or core set favours one. `cpus_of[g]` is GPU g's taskset list. Returns, per
+    pass, a list of (allocator, gpu, cpus)."""
+    k = len(allocators)
+    return [[(a, gpus[(i + n) % k], cpus_of[gpus[(i + n) % k]]) for i, a in enumerate(allocators)]
+            for n in range(passes)]
+
+
+def split_cpus(cpu_list, parts):
+    """`cpu_list` (a taskset list) cut into `parts` contiguous taskset lists of (nearly) equal
+    length: disjoint cores for children that run at the same time on GPUs whose affinity is
+    the same set (as on the cloud machines, where every GPU's is every core)."""
+    cpus = expand_cpu_list(cpu_list)
+    size, extra = divmod(len(cpus), parts)
+    groups, first = [], 0
+    for p in range(parts):
+        last = first + size + (1 if p < extra else 0)
+        groups.append(",".join(str(c) for c in cpus[first:last]))
+        first = last
+    return groups
+
+
+def speed_row(allocators, batch, free, args, placement=None):
     """Steps/s at `batch` for each allocator: three table rows. Steps/s from one process varied by
     up to 1.5x between runs on different hosts: each allocator runs in `--speed-passes`
     processes, the passes interleaved (all allocators once, then again), and the median
-    counts."""
+    counts. With `placement` (side_by_side_plan's), the allocators of a pass run at the same
+    time, each on its own GPU and cores: a host that slows down then slows down all of one
+    pass alike, which the pass-by-pass ratio cancels."""
     by_pass = {a: {} for a in allocators}  # pass number -> steps/s, in pass order
     windows = {a: [] for a in allocators}  # per pass: each window's steps/s
     kernels = {a: [] for a in allocators}  # per pass (--profile-steps): GPU kernel ms per step
     walls = {a: [] for a in allocators}  # and wall ms per step, of the same profiled steps
+    arguments = ("speed", "--batch", batch, "--free-gib", free, "--window", args.speed_window,
+                 "--profile-steps", args.profile_steps)
+
+    def record(a, n, r):
+        if r:
+            by_pass[a][n] = number(r[0])
+            windows[a].append([float(x) for x in r[0].split("windows ")[1].split()])
+            for line in r[1:]:  # "profile A kernels K ms/step, wall W ms/step over N steps"
+                if line.startswith("profile "):
+                    kernels[a].append(number(line, 3))
+                    walls[a].append(number(line, 6))
+
     for n in range(args.speed_passes):
+        if placement:
+            print("  pass %d side by side: %s" % (n + 1, ", ".join(
+                "%s on GPU %s (cores %s)" % p for p in placement[n])), flush=True)
+            children = [(a, start("train.py", a, *arguments, cpus=cpus, gpu=gpu))
+                        for a, gpu, cpus in placement[n]]
+            for a, child in children:
+                record(a, n, finish(child))
+            continue
         # The order turns round every pass: a host that slows down (or speeds up) during the
         # run does not favour whoever always comes first.
         for a in (allocators if n % 2 == 0 else allocators[::-1]):
-            r = run("train.py", a, "speed", "--batch", batch, "--free-gib", free,
-                    "--window", args.speed_window, "--profile-steps", args.profile_steps)
-            if r:
-                by_pass[a][n] = number(r[0])
-                windows[a].append([float(x) for x in r[0].split("windows ")[1].split()])
-                for line in r[1:]:  # "profile A kernels K ms/step, wall W ms/step over N steps"
-                    if line.startswith("profile "):
-                        kernels[a].append(number(line, 3))
-                        walls[a].append(number(line, 6))
+            record(a, n, run("train.py", a, *arguments))
     for a, v in by_pass.items():  # the spread behind each median
         if v:
             print("  passes %s: %s" % (a, " ".join("%.2f" % x for x in v.values())), flush=True)
@@ -163,6 +224,49 @@ def speed_row(allocators, batch, free, args):
              % (batch, args.speed_passes), best_row, "%.3f")]
 
 
+def nvidia_topology():
+    """`nvidia-smi topo -m`'s matrix, or "" where there is no nvidia-smi."""
+    try:
+        return subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True,
+                              text=True).stdout
+    except OSError:
+        return ""
+
+
+def visible_gpus():
+    """The GPUs the children may use: CUDA_VISIBLE_DEVICES's entries, else nvidia-smi -L's."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return os.environ["CUDA_VISIBLE_DEVICES"].split(",")
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    except OSError:
+        return []
+    gpus = [line for line in listing.splitlines() if line.startswith("GPU ")]
+    return [str(i) for i in range(len(gpus))]
+
+
+def side_by_side_placement(allocators, topology, passes, gpus=None, siblings_of=None,
+                           all_cpus=None):
+    """side_by_side_plan over the first len(allocators) visible GPUs, each child on physical
+    cores of its own: the GPU's own affinity when the GPUs' differ, else their common affinity
+    (or every CPU) split between them. None, with a line saying why, when there are too few
+    GPUs: the passes then run in turn."""
+    gpus = (visible_gpus() if gpus is None else gpus)[:len(allocators)]
+    if len(gpus) < len(allocators):
+        print("side by side needs %d GPUs, %d visible: the passes run in turn"
+              % (len(allocators), len(gpus)), flush=True)
+        return None
+    if all_cpus is None:
+        all_cpus = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    affinity = {g: gpu_cpu_affinity(topology, int(g)) if g.isdigit() else None for g in gpus}
+    if None in affinity.values() or len(set(affinity.values())) == 1:
+        common_cpus = one_per_core(next(iter(affinity.values())) or all_cpus, siblings_of)
+        cpus_of = dict(zip(gpus, split_cpus(common_cpus, len(gpus))))
+    else:
+        cpus_of = {g: one_per_core(a, siblings_of) for g, a in affinity.items()}
+    return side_by_side_plan(allocators, gpus, cpus_of, passes)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", default="overhead,frag,train")
@@ -181,19 +285,18 @@ def main():
                         help="speed: each pass then times this many steps' kernels under "
                         "torch.profiler (a row of GPU kernel ms per step against wall ms)")
     parser.add_argument("--pin-cpus", default="", help="run every child on these cores "
-                        "(taskset -c list; auto: the GPU's CPU affinity, from nvidia-smi topo -m, one "
-                        "logical CPU per physical core)")
+                        "(taskset -c list; auto: the GPU's CPU affinity, from nvidia-smi topo "
+                        "-m, one logical CPU per physical core)")
+    parser.add_argument("--speed-side-by-side", action="store_true",
+                        help="speed: run a pass's allocators at the same time, each on its own "
+                        "GPU and its own physical cores (as many GPUs as allocators)")
     args = parser.parse_args()
     global show_notes, pin_cpus
     show_notes = args.notes
     pin_cpus = args.pin_cpus
+    topology = nvidia_topology() if pin_cpus == "auto" or args.speed_side_by_side else ""
     if pin_cpus == "auto":  # the cores nearest the GPU the children use (the first visible)
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
-        try:
-            topology = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True,
-                                      text=True).stdout
-        except OSError:  # no nvidia-smi: the children run where the system puts them
-            topology = ""
         pin_cpus = gpu_cpu_affinity(topology, int(visible) if visible.isdigit() else 0) or ""
         print("children pinned to cores %s (nvidia-smi topo -m)" % (pin_cpus or "- (unknown)"),
               flush=True)
@@ -265,7 +368,11 @@ def main():
                 table.extend(speed_row(allocators, batch, free, args))
 
     if "speed" in parts:  # steps/s alone, at --train-batch (default: 2)
-        table.extend(speed_row(allocators, args.train_batch or 2, args.train_free_gib, args))
+        placement = None
+        if args.speed_side_by_side:
+            placement = side_by_side_placement(allocators, topology, args.speed_passes)
+        table.extend(speed_row(allocators, args.train_batch or 2, args.train_free_gib, args,
+                               placement))
 
     print()
     names = {"expandable": "expandable_segments"}
