@@ -15,11 +15,11 @@
 // - Counts bytes in use and the peak, so tests can see that everything came back.
 #pragma once
 
+#include <cudamem/detail/usage_counter.hpp>
 #include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 
-#include <atomic>
 #include <new>
 #include <string>
 
@@ -42,15 +42,12 @@ class host_resource final : public memory_resource {
     if (p == nullptr) {
       throw_out_of_memory(*this, bytes, alignment, "operator new failed");
     }
-    const std::size_t now = used_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
-    std::size_t peak = peak_.load(std::memory_order_relaxed);
-    while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
-    }
+    usage_.add(bytes);
     return p;
   }
   void do_deallocate_sync(void* p, std::size_t bytes, std::size_t alignment) noexcept override {
     ::operator delete(p, bytes, std::align_val_t{alignment});
-    used_.fetch_sub(bytes, std::memory_order_relaxed);
+    usage_.subtract(bytes);
   }
   bool do_is_equal(const memory_resource& other) const noexcept override {
     return dynamic_cast<const host_resource*>(&other) != nullptr;
@@ -64,15 +61,9 @@ class host_resource final : public memory_resource {
            " of host memory: the machine's memory, or a limit on this process (ulimit -v, a "
            "container's memory limit), is used up.";
   }
-  resource_stats do_stats() const override {
-    resource_stats s;
-    s.used_bytes = s.reserved_bytes = used_.load(std::memory_order_relaxed);
-    s.peak_used_bytes = peak_.load(std::memory_order_relaxed);
-    return s;
-  }
+  resource_stats do_stats() const override { return usage_.leaf_stats(); }
 
-  std::atomic<std::size_t> used_{0};
-  std::atomic<std::size_t> peak_{0};
+  detail::usage_counter usage_;
 };
 
 }  // namespace cudamem

@@ -342,7 +342,7 @@ class vm_pool_resource final : public memory_resource {
       return stream != nullptr ? allocate_checked(source, bytes, alignment, *stream)
                                : allocate_checked(source, bytes, alignment);
     };
-    bool bulk = bulk_ && bytes % bulk_->handle_bytes() == 0;
+    bool bulk = large_blocks_.bulk_sized(bytes);
     void* p = nullptr;
     if (bulk) {
       try {

@@ -40,6 +40,8 @@
 // included, at whatever point it had reached. Userspace RCU and folly use the same device.
 #pragma once
 
+#include <cudamem/detail/usage_counter.hpp>  // raise_to
+
 #include <atomic>
 #include <cstdint>
 #include <mutex>
@@ -176,15 +178,6 @@ T add_to_counter(std::atomic<T>& counter, T delta, bool sole_writer) noexcept {
     return sum;
   }
   return counter.fetch_add(delta, std::memory_order_relaxed) + delta;
-}
-
-/// Raises `peak` to at least `value` whoever else raises it (relaxed: peaks are statistics,
-/// not synchronisation).
-template <class Atomic, class Value>
-void raise_to(Atomic& peak, Value value) noexcept {
-  Value seen = peak.load(std::memory_order_relaxed);
-  while (value > seen && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
-  }
 }
 
 /// Raises `peak` to at least `value`, the same two ways as add_to_counter.

@@ -7,6 +7,7 @@
 
 #include <cudamem/detail/cuda/quiet_device_scope.hpp>
 #include <cudamem/detail/held_ahead.hpp>
+#include <cudamem/detail/usage_counter.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_report.hpp>
@@ -16,7 +17,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <atomic>
 #include <cstddef>
 #include <stdexcept>
 #include <string>
@@ -79,32 +79,6 @@ template <class Call>
   given_back = give_back_held_ahead(memory_domain{device, nullptr});
   return given_back != 0 ? call() : code;
 }
-
-/// Bytes handed out and not yet returned, and the most there ever were. Lock-free.
-class usage_counter {
- public:
-  void add(std::size_t bytes) noexcept {
-    const std::size_t now = used_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
-    std::size_t peak = peak_.load(std::memory_order_relaxed);
-    while (now > peak && !peak_.compare_exchange_weak(peak, now, std::memory_order_relaxed)) {
-    }
-  }
-  void subtract(std::size_t bytes) noexcept { used_.fetch_sub(bytes, std::memory_order_relaxed); }
-  [[nodiscard]] std::size_t used() const noexcept { return used_.load(std::memory_order_relaxed); }
-  [[nodiscard]] std::size_t peak() const noexcept { return peak_.load(std::memory_order_relaxed); }
-
-  /// reserved == used: leaf resources hold exactly what they handed out.
-  [[nodiscard]] resource_stats leaf_stats() const noexcept {
-    resource_stats s;
-    s.used_bytes = s.reserved_bytes = used();
-    s.peak_used_bytes = peak();
-    return s;
-  }
-
- private:
-  std::atomic<std::size_t> used_{0};
-  std::atomic<std::size_t> peak_{0};
-};
 
 /// Waits for the work submitted to `stream` so far; reports (does not throw) a failure. Used
 /// before the synchronous frees (cudaFree, cudaFreeHost) when the caller gave a stream: the

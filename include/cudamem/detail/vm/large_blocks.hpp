@@ -28,11 +28,11 @@
 #pragma once
 
 #include <cudamem/detail/spare_nodes.hpp>
+#include <cudamem/detail/usage_counter.hpp>
 #include <cudamem/error.hpp>  // report_problem
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/vm_resource.hpp>
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
@@ -50,13 +50,24 @@ class large_block_ledger {
 
   /// Large blocks from `source` (marked when it is `vm`) or from `bulk` (may be null).
   large_block_ledger(memory_resource& source, vm_resource& vm, vm_resource* bulk) noexcept
-      : source_(source), vm_(vm), bulk_(bulk), marked_(&source == &vm) {}
+      : source_(source),
+        vm_(vm),
+        bulk_(bulk),
+        bulk_handle_(bulk != nullptr ? bulk->handle_bytes() : 0),
+        marked_(&source == &vm) {}
 
   large_block_ledger(const large_block_ledger&) = delete;
   large_block_ledger& operator=(const large_block_ledger&) = delete;
 
   /// Whether blocks are marked (allocate them with vm_resource::allocate_marked and `mark`).
   [[nodiscard]] bool marked() const noexcept { return marked_; }
+
+  /// Whether a block of `bytes` is asked of the bulk resource first: a whole multiple of its
+  /// handle. (Its handle size is kept here: reading it from the bulk resource's options, a
+  /// cache line of their own, cost a miss on every large allocation and free.)
+  [[nodiscard]] bool bulk_sized(std::size_t bytes) const noexcept {
+    return bulk_handle_ != 0 && bytes % bulk_handle_ == 0;
+  }
 
   /// Counts the block at `p`, just allocated (from the bulk resource if `bulk`); unmarked, also
   /// records it. Throws std::bad_alloc (no host memory for the record) having counted nothing.
@@ -65,10 +76,7 @@ class large_block_ledger {
       const std::lock_guard lock(mutex_);
       spare_.insert(recorded_, reinterpret_cast<std::uintptr_t>(p), block{bytes, bulk});
     }
-    const std::size_t used = used_.fetch_add(bytes, std::memory_order_relaxed) + bytes;
-    std::size_t peak = peak_.load(std::memory_order_relaxed);
-    while (used > peak && !peak_.compare_exchange_weak(peak, used, std::memory_order_relaxed)) {
-    }
+    usage_.add(bytes);
   }
 
   /// Frees the large block at `p` where it came from (`stream` null: the synchronous form); a
@@ -99,12 +107,8 @@ class large_block_ledger {
   }
 
   /// Bytes asked for by the live large blocks, and the most at once.
-  [[nodiscard]] std::size_t used_bytes() const noexcept {
-    return used_.load(std::memory_order_relaxed);
-  }
-  [[nodiscard]] std::size_t peak_bytes() const noexcept {
-    return peak_.load(std::memory_order_relaxed);
-  }
+  [[nodiscard]] std::size_t used_bytes() const noexcept { return usage_.used(); }
+  [[nodiscard]] std::size_t peak_bytes() const noexcept { return usage_.peak(); }
 
   /// Appends the recorded blocks as (address, bytes): none when marked (they are in the
   /// vm_resources' mapped ranges).
@@ -125,7 +129,7 @@ class large_block_ledger {
   /// The bulk resource first for a whole multiple of its handle, the other next (a size that
   /// differs from the allocation's, a bulk block declined); neither holds it: a bad free.
   void give_back_marked(void* p, std::size_t bytes, const stream_view* stream) noexcept {
-    vm_resource* first = bulk_ != nullptr && bytes % bulk_->handle_bytes() == 0 ? bulk_ : &vm_;
+    vm_resource* first = bulk_sized(bytes) ? bulk_ : &vm_;
     std::optional<std::size_t> freed = first->deallocate_marked(p, bytes, stream, mark);
     if (!freed && bulk_ != nullptr) {
       freed = (first == &vm_ ? bulk_ : &vm_)->deallocate_marked(p, bytes, stream, mark);
@@ -134,7 +138,7 @@ class large_block_ledger {
       report_bad_free();
       return;
     }
-    used_.fetch_sub(*freed, std::memory_order_relaxed);
+    usage_.subtract(*freed);
   }
 
   /// The record of `p`, erased; nullopt if there is none (or the mutex could not be locked).
@@ -144,7 +148,7 @@ class large_block_ledger {
       const auto it = recorded_.find(reinterpret_cast<std::uintptr_t>(p));
       if (it != recorded_.end()) {
         const block b = it->second;
-        used_.fetch_sub(b.bytes, std::memory_order_relaxed);
+        usage_.subtract(b.bytes);
         spare_.erase(recorded_, it);
         return b;
       }
@@ -162,12 +166,12 @@ class large_block_ledger {
   memory_resource& source_;
   vm_resource& vm_;
   vm_resource* bulk_;
+  std::size_t bulk_handle_;  ///< bulk_'s handle bytes; 0 when there is no bulk resource
   bool marked_;
   mutable std::mutex mutex_;  ///< guards the two below (unmarked only)
   block_map recorded_;
   spare_nodes<block_map> spare_;  ///< nodes of freed records, for the next ones
-  std::atomic<std::size_t> used_{0};
-  std::atomic<std::size_t> peak_{0};
+  usage_counter usage_;  ///< the bytes asked for by the live large blocks
 };
 
 }  // namespace cudamem::detail
