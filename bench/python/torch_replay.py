@@ -1,0 +1,121 @@
+"""What a recorded PyTorch program's allocations cost on the host under PyTorch's own caching
+allocator and under cudamem's, in one process on a GPU (torch_replay_cost.cpp says how and why).
+
+    python3 bench/python/torch_replay.py LOG [--touch-kib 0,4096] [--passes 7] [--steps 60]
+
+LOG is a cudamem log (bench/python/trace.py writes one; bench/traces/train_b26.log.gz, 60
+steps of train.py at batch 26, is one: gzip is read as is). The C++ part is compiled against
+the installed PyTorch, as cudamem's allocator is (cudamem/_torch_build.py), into a temporary
+directory. For each --touch-kib (KiB of host memory touched between two calls), each allocator
+replays the log once untimed, then --passes times each, in turn (the order turns round every
+pass). Prints ns per call by kind (allocations and frees of 4 MiB or more, and below) as the
+median over passes, cudamem's over PyTorch's, and the host ms per step the calls cost (--steps:
+the steps in the log). Exit status 0; 1 when something could not run (the reason is printed).
+"""
+import argparse
+import ctypes
+import gzip
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
+
+KINDS = ("alloc >= 4 MiB", "alloc < 4 MiB", "free >= 4 MiB", "free < 4 MiB")
+LARGE = 4 << 20  # cudamem.torch's handle: blocks from here on are mapped, not pooled
+NAMES = ("pytorch", "cudamem")
+
+
+def build(torch, directory):
+    from cudamem import _torch_build
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    lib = os.path.join(torch_dir, "lib")
+    target = os.path.join(directory, "torch_replay_cost.so")
+    command = [_torch_build.choose_compiler(), "-O2", "-shared", "-fPIC", "-std=c++17",
+               "-fvisibility=hidden",
+               "-D_GLIBCXX_USE_CXX11_ABI=%d" % int(torch._C._GLIBCXX_USE_CXX11_ABI),
+               "-isystem", os.path.join(torch_dir, "include"),
+               "-isystem", _torch_build.cuda_include_dir(),
+               os.path.join(HERE, "torch_replay_cost.cpp"), "-o", target,
+               "-L" + lib, "-lc10", "-lc10_cuda", "-Wl,-rpath," + lib]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError("compiling torch_replay_cost.cpp failed:\n" + done.stderr[-3000:])
+    return ctypes.CDLL(target)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("log")
+    parser.add_argument("--touch-kib", default="0,4096")
+    parser.add_argument("--passes", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=60)
+    args = parser.parse_args()
+    work = tempfile.mkdtemp(prefix="torch_replay_")
+    try:
+        log = args.log
+        if log.endswith(".gz"):
+            log = os.path.join(work, "log")
+            with gzip.open(args.log, "rb") as f, open(log, "wb") as out:
+                shutil.copyfileobj(f, out)
+        import torch
+        lib = build(torch, work)
+        lib.replay_error.restype = ctypes.c_char_p
+        lib.replay_ops.restype = ctypes.c_size_t
+
+        def check(status, what):
+            if status != 0:
+                raise RuntimeError("%s: %s" % (what, lib.replay_error().decode()))
+        check(lib.replay_take_allocator(0), "taking PyTorch's allocator")
+        import cudamem.torch
+        cudamem.torch.install()
+        torch.cuda.init()
+        check(lib.replay_take_allocator(1), "taking cudamem's allocator")
+        check(lib.replay_init(0, torch.cuda.device_count()), "initialising PyTorch's allocator")
+        ns = (ctypes.c_double * 4)()
+        calls = (ctypes.c_long * 4)()
+        print("torch %s, %s; log %s" % (torch.__version__, torch.cuda.get_device_name(0),
+                                        os.path.basename(args.log)), flush=True)
+        for touch in (int(t) for t in args.touch_kib.split(",")):
+            check(lib.replay_load(log.encode(), touch), "reading the log")
+            per_call = {n: [[] for _ in KINDS] for n in NAMES}
+            per_step = {n: [] for n in NAMES}
+            for which in (0, 1):  # warm: each grows to the log's peak once
+                check(lib.replay_pass(which, LARGE, ns, calls), "warm pass")
+            for p in range(args.passes):
+                for which in ((0, 1) if p % 2 == 0 else (1, 0)):
+                    check(lib.replay_pass(which, LARGE, ns, calls), "pass")
+                    name = NAMES[which]
+                    for k in range(4):
+                        per_call[name][k].append(ns[k] / calls[k] if calls[k] else 0.0)
+                    per_step[name].append(sum(ns) / 1e6 / args.steps)
+            print("\ntouched between calls: %d KiB; %d calls a pass; medians of %d passes"
+                  % (touch, lib.replay_ops(), args.passes))
+            print("| ns per call | %s |" % " | ".join(KINDS + ("host ms per step",)))
+            print("|---|---|---|---|---|---|")
+            for name in NAMES:
+                cells = ["%.0f" % statistics.median(v) for v in per_call[name]]
+                cells.append("%.3f" % statistics.median(per_step[name]))
+                print("| %s | %s |" % (name, " | ".join(cells)))
+            ratios = [statistics.median(c) / statistics.median(p) if statistics.median(p) else 0
+                      for c, p in zip(per_call["cudamem"], per_call["pytorch"])]
+            ratios.append(statistics.median(per_step["cudamem"])
+                          / statistics.median(per_step["pytorch"]))
+            print("| cudamem / pytorch | %s |" % " | ".join("%.2f" % r for r in ratios))
+            print("per step, pass by pass: pytorch %s; cudamem %s" % (
+                " ".join("%.3f" % x for x in per_step["pytorch"]),
+                " ".join("%.3f" % x for x in per_step["cudamem"])), flush=True)
+        return 0
+    except Exception as e:  # noqa: BLE001 - one line saying why, for a GPU run's log
+        print("torch_replay: %s" % e, flush=True)
+        return 1
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
