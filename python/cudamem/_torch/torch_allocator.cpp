@@ -353,8 +353,9 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
     TORCH_CHECK(it != live_.end(), "cudamem: record_stream of a block it does not know");
     block& b = it->second;
     const cudaStream_t s = stream.stream();
-    if (s != b.stream && std::find(b.uses.begin(), b.uses.end(), s) == b.uses.end()) {
-      b.uses.push_back(s);
+    const std::vector<cudaStream_t>& uses = b.rare().uses;
+    if (s != b.stream && std::find(uses.begin(), uses.end(), s) == uses.end()) {
+      b.more().uses.push_back(s);
     }
   }
 
@@ -793,15 +794,36 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
     cudaStream_t stream;
     MempoolId_t pool;
     std::shared_ptr<c10::GatheredContext> context;
-    std::vector<cudaStream_t> uses;  ///< other streams (record_stream)
-    bool pending = false;            ///< freed by PyTorch, waiting for `uses`
-    std::vector<cudaEvent_t> events;  ///< recorded on `uses` at the free
-    /// Freed during a capture after record_stream, with graph_capture_record_stream_reuse:
-    /// the capture's last nodes on its streams then (capture_order.hpp); empty: none.
-    std::vector<cudaGraphNode_t> free_markers;
-    std::string ipc_handle;           ///< shared with other processes: the handle given
-    std::ptrdiff_t ipc_offset = 0;    ///< and the block's offset in what it maps
-    std::vector<int> exported_fds;    ///< open while the block lives (receivers import them)
+    bool pending = false;  ///< freed by PyTorch, waiting for its uses (record_stream)
+    /// What few blocks need: other streams' uses, the events of a free that waits for them,
+    /// graph markers, what other processes were given. Kept apart, made on first need, so
+    /// that a block's record stays two cache lines: every allocation writes one and every
+    /// free reads it, with the framework's work in between evicting it (torch_replay.py).
+    struct rare_fields {
+      std::vector<cudaStream_t> uses;  ///< other streams (record_stream)
+      std::vector<cudaEvent_t> events;  ///< recorded on `uses` at the free
+      /// Freed during a capture after record_stream, with graph_capture_record_stream_reuse:
+      /// the capture's last nodes on its streams then (capture_order.hpp); empty: none.
+      std::vector<cudaGraphNode_t> free_markers;
+      std::string ipc_handle;         ///< shared with other processes: the handle given
+      std::ptrdiff_t ipc_offset = 0;  ///< and the block's offset in what it maps
+      std::vector<int> exported_fds;  ///< open while the block lives (receivers import them)
+    };
+    std::unique_ptr<rare_fields> extra;  ///< null until one of them is needed
+
+    /// The rare fields to change (made now if they were not).
+    rare_fields& more() {
+      if (!extra) {
+        extra = std::make_unique<rare_fields>();
+      }
+      return *extra;
+    }
+    /// The rare fields to read (empty ones if never made).
+    [[nodiscard]] const rare_fields& rare() const {
+      static const rare_fields none;
+      return extra ? *extra : none;
+    }
+    [[nodiscard]] bool has_uses() const { return extra && !extra->uses.empty(); }
   };
   struct pool_state {
     DeviceIndex device = 0;
@@ -846,6 +868,26 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
   // --- allocation ----------------------------------------------------------------------------
 
   void* malloc(DeviceIndex device, std::size_t n, cudaStream_t stream);
+  /// live_[p] = b, in a spare node if there is one.
+  block& remember(void* p, block b) {
+    if (spare_nodes_.empty()) {
+      return live_.emplace(p, std::move(b)).first->second;
+    }
+    auto node = std::move(spare_nodes_.back());
+    spare_nodes_.pop_back();
+    node.key() = p;
+    node.mapped() = std::move(b);
+    return live_.insert(std::move(node)).position->second;
+  }
+  /// Erases `it` (its block moved out already), keeping the node for remember().
+  void forget(std::unordered_map<void*, block>::iterator it) {
+    constexpr std::size_t kept_nodes = 4096;  // a training step frees ~700 blocks
+    if (spare_nodes_.size() < kept_nodes) {
+      spare_nodes_.push_back(live_.extract(it));
+    } else {
+      live_.erase(it);
+    }
+  }
   /// What counts against the memory fraction on `device`, with the lock held. PyTorch counts
   /// its segments. Here: the default pool's live blocks (cudamem's own cache is given back
   /// when they need it, so it is not counted), and every MemPool's and graph pool's chunks,
@@ -1089,6 +1131,9 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
   std::atomic<bool> enabled_{true};
   std::vector<device_state> devices_;
   std::unordered_map<void*, block> live_;
+  /// Nodes of live_ whose blocks were freed, for the next allocations (remember / forget):
+  /// an allocation and a free then cost no host allocation of their own.
+  std::vector<std::unordered_map<void*, block>::node_type> spare_nodes_;
   std::unordered_set<void*> uncached_;
   std::vector<void*> pending_;   ///< blocks waiting for their events
   std::vector<void*> deferred_;  ///< frees that wait for the captures to end
@@ -1212,8 +1257,7 @@ void* cudamem_torch_allocator::malloc(DeviceIndex device, std::size_t n, cudaStr
     ++pools_.at(pool).live_blocks;
   }
   d.figures.on_allocate(block_size, n);
-  block& b = live_.emplace(p, block{p, block_size, n, device, stream, pool, std::move(context)})
-                 .first->second;
+  block& b = remember(p, block{p, block_size, n, device, stream, pool, std::move(context)});
   record_trace(cda::TraceEntry::ALLOC, device, reinterpret_cast<std::uintptr_t>(p), n, stream,
                pool, b.context);
   const std::size_t allocated = static_cast<std::size_t>(d.figures.allocated_bytes[0].current);
@@ -1341,7 +1385,7 @@ void cudamem_torch_allocator::free(void* ptr) {
                                              reinterpret_cast<std::uintptr_t>(ptr));
   }
   b.pending = true;
-  if (!captures_.empty() && (!b.uses.empty() || b.pool == default_pool)) {
+  if (!captures_.empty() && (b.has_uses() || b.pool == default_pool)) {
     // No event may be recorded or queried while a stream is captured; and a default-pool
     // block freed on a capturing stream is only free once the graph has run. Later.
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -1349,27 +1393,27 @@ void cudamem_torch_allocator::free(void* ptr) {
         cudaStreamIsCapturing(b.stream, &status) == cudaSuccess &&
         status != cudaStreamCaptureStatusNone;
     static_cast<void>(cudaGetLastError());
-    if (!b.uses.empty() || on_capturing_stream) {
-      if (!b.uses.empty() && b.pool != default_pool && capture_reuse_setting()) {
+    if (b.has_uses() || on_capturing_stream) {
+      if (b.has_uses() && b.pool != default_pool && capture_reuse_setting()) {
         // PyTorch's graph_capture_record_stream_reuse: the graph may show, at a later
         // allocation of the capture, that every use came first (reclaim_in_capture).
-        std::vector<cudaStream_t> streams = b.uses;
+        std::vector<cudaStream_t> streams = b.rare().uses;
         streams.push_back(b.stream);
-        b.free_markers = cudamem::torch_bridge::capture_markers(streams).value_or(
+        b.more().free_markers = cudamem::torch_bridge::capture_markers(streams).value_or(
             std::vector<cudaGraphNode_t>{});
-        deferred_with_markers_ += b.free_markers.empty() ? 0 : 1;
+        deferred_with_markers_ += b.rare().free_markers.empty() ? 0 : 1;
       }
       deferred_.push_back(ptr);
       return;
     }
   }
-  if (!b.uses.empty()) {
+  if (b.has_uses()) {
     wait_for_uses(b);
     pending_.push_back(ptr);
     return;
   }
   block done = std::move(b);
-  live_.erase(it);
+  forget(it);
   if (context) {
     done.context = std::move(context);  // completed now: the free's stack, as PyTorch records
   }
@@ -1382,7 +1426,7 @@ void cudamem_torch_allocator::complete_free(std::unique_lock<std::mutex>& lock, 
   record_trace(cda::TraceEntry::FREE_COMPLETED, b.device,
                reinterpret_cast<std::uintptr_t>(b.address), b.requested, b.stream, b.pool,
                b.context);
-  for (const int fd : b.exported_fds) {
+  for (const int fd : b.rare().exported_fds) {
     ::close(fd);  // every receiver has let go (PyTorch counts them before it frees)
   }
   if (b.pool != default_pool) {
@@ -1412,7 +1456,7 @@ void cudamem_torch_allocator::finish_pending_frees(std::unique_lock<std::mutex>&
   for (void* p : pending_) {
     block& b = live_.at(p);
     bool done = true;
-    for (const cudaEvent_t e : b.events) {
+    for (const cudaEvent_t e : b.rare().events) {
       const cudaError_t r = wait ? cudaEventSynchronize(e) : cudaEventQuery(e);
       if (r == cudaErrorNotReady) {
         static_cast<void>(cudaGetLastError());
@@ -1431,10 +1475,12 @@ void cudamem_torch_allocator::finish_pending_frees(std::unique_lock<std::mutex>&
     }
     block b = std::move(it->second);
     live_.erase(it);
-    for (const cudaEvent_t e : b.events) {
+    for (const cudaEvent_t e : b.rare().events) {
       C10_CUDA_CHECK(cudaEventDestroy(e));
     }
-    b.events.clear();
+    if (b.extra) {
+      b.extra->events.clear();
+    }
     complete_free(lock, std::move(b));
   }
 }
@@ -1443,10 +1489,10 @@ void cudamem_torch_allocator::finish_pending_frees(std::unique_lock<std::mutex>&
 /// of them now; the free completes once they have all passed it (finish_pending_frees).
 void cudamem_torch_allocator::wait_for_uses(block& b) {
   const c10::cuda::CUDAGuard on{b.device};
-  for (const cudaStream_t s : b.uses) {
+  for (const cudaStream_t s : b.more().uses) {
     cudaEvent_t e = nullptr;
     C10_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-    b.events.push_back(e);
+    b.more().events.push_back(e);
     C10_CUDA_CHECK(cudaEventRecord(e, s));
   }
 }
@@ -1470,19 +1516,21 @@ void cudamem_torch_allocator::reclaim_in_capture(std::unique_lock<std::mutex>& l
       continue;  // already gone with its pool
     }
     block& b = it->second;
-    if (b.stream == stream && !b.free_markers.empty() &&
-        capture_order_.all_before_next(stream, b.free_markers)) {
+    if (b.stream == stream && !b.rare().free_markers.empty() &&
+        capture_order_.all_before_next(stream, b.rare().free_markers)) {
       ready.push_back(std::move(b));
       live_.erase(it);
       continue;
     }
-    still_marked += b.free_markers.empty() ? 0 : 1;
+    still_marked += b.rare().free_markers.empty() ? 0 : 1;
     *kept++ = p;
   }
   deferred_.erase(kept, deferred_.end());
   deferred_with_markers_ = still_marked;
   for (block& done : ready) {
-    done.uses.clear();  // the graph orders them: no event to wait for
+    if (done.extra) {
+      done.extra->uses.clear();  // the graph orders them: no event to wait for
+    }
     complete_free(lock, std::move(done));
   }
 }
@@ -1499,8 +1547,10 @@ void cudamem_torch_allocator::finish_deferred(std::unique_lock<std::mutex>& lock
       continue;
     }
     block& b = it->second;
-    b.free_markers.clear();
-    if (b.uses.empty()) {
+    if (b.extra) {
+      b.extra->free_markers.clear();
+    }
+    if (!b.has_uses()) {
       block done = std::move(b);
       live_.erase(it);
       complete_free(lock, std::move(done));
@@ -1732,7 +1782,7 @@ cca::CheckpointDelta cudamem_torch_allocator::setCheckpointPoolState(
       f.on_free_requested(gone.size);
     }
     f.on_free_completed(gone.size, gone.requested);
-    for (const cudaEvent_t e : gone.events) {
+    for (const cudaEvent_t e : gone.rare().events) {
       static_cast<void>(cudaEventDestroy(e));
     }
     ps.pool.deallocate(gone.address, gone.size);
@@ -1769,8 +1819,8 @@ cca::ShareableHandle cudamem_torch_allocator::shareIpcHandle(void* ptr) {
   block* b = find_containing(ptr);
   TORCH_CHECK(b != nullptr, "invalid device pointer: ", ptr);
   const std::ptrdiff_t into = static_cast<char*>(ptr) - static_cast<char*>(b->address);
-  if (!b->ipc_handle.empty()) {  // shared before: the same bytes (receivers cache by them)
-    return {b->ipc_offset + into, b->ipc_handle};
+  if (!b->rare().ipc_handle.empty()) {  // shared before: the same bytes (receivers cache them)
+    return {b->rare().ipc_offset + into, b->rare().ipc_handle};
   }
   void* const address = b->address;
   const std::size_t size = b->size;
@@ -1810,9 +1860,9 @@ cca::ShareableHandle cudamem_torch_allocator::shareIpcHandle(void* ptr) {
     }
     TORCH_CHECK(false, "invalid device pointer: ", ptr);
   }
-  b->exported_fds = std::move(fds);
-  b->ipc_handle = bytes;
-  b->ipc_offset = offset;
+  b->more().exported_fds = std::move(fds);
+  b->more().ipc_handle = bytes;
+  b->more().ipc_offset = offset;
   return {offset + into, bytes};
 }
 
