@@ -8,9 +8,12 @@ steps of train.py at batch 26, is one: gzip is read as is). The C++ part is comp
 the installed PyTorch, as cudamem's allocator is (cudamem/_torch_build.py), into a temporary
 directory. For each --touch-kib (KiB of host memory touched between two calls), each allocator
 replays the log once untimed, then --passes times each, in turn (the order turns round every
-pass). Prints ns per call by kind (allocations and frees of 4 MiB or more, and below) as the
-median over passes, cudamem's over PyTorch's, and the host ms per step the calls cost (--steps:
-the steps in the log). Exit status 0; 1 when something could not run (the reason is printed).
+pass). Three columns: PyTorch's allocator, cudamem's (what install() puts in PyTorch), and the
+C API that one calls (libcudamem_c, called directly: the difference is the compiled
+allocator's own work). Prints ns per call by kind (allocations and frees of 4 MiB or more,
+and below) as the median over passes, each over PyTorch's, and the host ms per step the calls
+cost (--steps: the steps in the log). Exit status 0; 1 when something could not run (the
+reason is printed).
 """
 import argparse
 import ctypes
@@ -27,7 +30,10 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))
 
 KINDS = ("alloc >= 4 MiB", "alloc < 4 MiB", "free >= 4 MiB", "free < 4 MiB")
 LARGE = 4 << 20  # cudamem.torch's handle: blocks from here on are mapped, not pooled
-NAMES = ("pytorch", "cudamem")
+# PyTorch's own allocator; cudamem's compiled one (what install() puts in PyTorch); and the C
+# API it calls (libcudamem_c's allocator 0, the same stack), called directly: cudamem minus
+# c_api is what the compiled allocator adds.
+NAMES = ("pytorch", "cudamem", "c_api")
 
 
 def build(torch, directory):
@@ -76,6 +82,9 @@ def main():
         torch.cuda.init()
         check(lib.replay_take_allocator(1), "taking cudamem's allocator")
         check(lib.replay_init(0, torch.cuda.device_count()), "initialising PyTorch's allocator")
+        from cudamem import _native
+        lib.replay_take_c_api(ctypes.c_void_p(_native.function_address("cudamem_allocate")),
+                              ctypes.c_void_p(_native.function_address("cudamem_deallocate")))
         ns = (ctypes.c_double * 4)()
         calls = (ctypes.c_long * 4)()
         print("torch %s, %s; log %s" % (torch.__version__, torch.cuda.get_device_name(0),
@@ -84,10 +93,11 @@ def main():
             check(lib.replay_load(log.encode(), touch), "reading the log")
             per_call = {n: [[] for _ in KINDS] for n in NAMES}
             per_step = {n: [] for n in NAMES}
-            for which in (0, 1):  # warm: each grows to the log's peak once
+            order = list(range(len(NAMES)))
+            for which in order:  # warm: each grows to the log's peak once
                 check(lib.replay_pass(which, LARGE, ns, calls), "warm pass")
             for p in range(args.passes):
-                for which in ((0, 1) if p % 2 == 0 else (1, 0)):
+                for which in order[p % len(order):] + order[:p % len(order)]:
                     check(lib.replay_pass(which, LARGE, ns, calls), "pass")
                     name = NAMES[which]
                     for k in range(4):
@@ -101,14 +111,16 @@ def main():
                 cells = ["%.0f" % statistics.median(v) for v in per_call[name]]
                 cells.append("%.3f" % statistics.median(per_step[name]))
                 print("| %s | %s |" % (name, " | ".join(cells)))
-            ratios = [statistics.median(c) / statistics.median(p) if statistics.median(p) else 0
-                      for c, p in zip(per_call["cudamem"], per_call["pytorch"])]
-            ratios.append(statistics.median(per_step["cudamem"])
-                          / statistics.median(per_step["pytorch"]))
-            print("| cudamem / pytorch | %s |" % " | ".join("%.2f" % r for r in ratios))
-            print("per step, pass by pass: pytorch %s; cudamem %s" % (
-                " ".join("%.3f" % x for x in per_step["pytorch"]),
-                " ".join("%.3f" % x for x in per_step["cudamem"])), flush=True)
+            base = [statistics.median(v) for v in per_call["pytorch"]]
+            base.append(statistics.median(per_step["pytorch"]))
+            for name in NAMES[1:]:
+                mine = [statistics.median(v) for v in per_call[name]]
+                mine.append(statistics.median(per_step[name]))
+                print("| %s / pytorch | %s |" % (name, " | ".join(
+                    "%.2f" % (m / b) if b else "-" for m, b in zip(mine, base))))
+            print("per step, pass by pass: " + "; ".join(
+                "%s %s" % (name, " ".join("%.3f" % x for x in per_step[name]))
+                for name in NAMES), flush=True)
         return 0
     except Exception as e:  # noqa: BLE001 - one line saying why, for a GPU run's log
         print("torch_replay: %s" % e, flush=True)

@@ -44,7 +44,14 @@ struct op {
 
 std::vector<op> ops;
 std::size_t slots = 0;
+std::vector<std::size_t> slot_bytes;  ///< each slot's allocation size
 cca::CUDAAllocator* allocators[2] = {nullptr, nullptr};  // 0: PyTorch's own, 1: the installed
+// 2: libcudamem_c's allocator 0 called directly, as the installed one calls it: what the
+// compiled allocator adds over the C side is then the difference between 1 and 2.
+using c_allocate_fn = int (*)(int, std::size_t, int, void*, void**);
+using c_deallocate_fn = int (*)(int, void*, std::size_t, int, void*);
+c_allocate_fn c_allocate = nullptr;
+c_deallocate_fn c_deallocate = nullptr;
 std::vector<unsigned char> touched;
 volatile unsigned char sink = 0;
 std::string last_error;
@@ -74,6 +81,7 @@ bool read_log(const char* path) {
     const std::size_t bytes = std::stoull(f[5]);
     if (line[0] == 'A') {
       live[f[4]] = {slots, bytes};
+      slot_bytes.push_back(bytes);
       ops.push_back({true, bytes, slots++});
     } else if (const auto it = live.find(f[4]); it != live.end()) {
       ops.push_back({false, it->second.second, it->second.first});
@@ -105,6 +113,12 @@ __attribute__((visibility("default"))) int replay_take_allocator(int which) {
   return allocators[which] != nullptr ? 0 : 1;
 }
 
+/// The C API's cudamem_allocate and cudamem_deallocate (their addresses), for `which` = 2.
+__attribute__((visibility("default"))) void replay_take_c_api(void* allocate, void* deallocate) {
+  c_allocate = reinterpret_cast<c_allocate_fn>(allocate);
+  c_deallocate = reinterpret_cast<c_deallocate_fn>(deallocate);
+}
+
 /// Initialises allocator `which` for `devices` devices if it is not yet: PyTorch's own, taken
 /// before install() and never used by PyTorch after it.
 __attribute__((visibility("default"))) int replay_init(int which, int devices) {
@@ -122,6 +136,7 @@ __attribute__((visibility("default"))) int replay_init(int which, int devices) {
 __attribute__((visibility("default"))) int replay_load(const char* path, std::size_t touch_kib) {
   try {
     ops.clear();
+    slot_bytes.clear();
     slots = 0;
     touched.assign(touch_kib * 1024, 0);
     return read_log(path) && !ops.empty() ? 0 : 1;
@@ -133,17 +148,25 @@ __attribute__((visibility("default"))) int replay_load(const char* path, std::si
 
 __attribute__((visibility("default"))) std::size_t replay_ops() { return ops.size(); }
 
-/// One pass of the log through allocator `which`; ns[4] and calls[4] get the time and count of
+/// One pass of the log through allocator `which` (0, 1, or 2: the C API); ns[4] and calls[4] get the time and count of
 /// large allocations (>= large_bytes), small ones, large frees, small frees. Whatever the log
 /// left live is freed at the end, untimed. 0 on success.
 __attribute__((visibility("default"))) int replay_pass(int which, std::size_t large_bytes,
                                                        double* ns, long* calls) {
-  cca::CUDAAllocator* a = allocators[which];
-  if (a == nullptr) {
+  cca::CUDAAllocator* a = which < 2 ? allocators[which] : nullptr;
+  if (which < 2 ? a == nullptr : c_allocate == nullptr || c_deallocate == nullptr) {
     last_error = "no allocator taken";
     return 1;
   }
   last_error.clear();
+  int device = 0;
+  cudaGetDevice(&device);
+  // The C API's block for `p` (its bytes are the log's) and a free of it.
+  const auto c_free = [&](void* p, std::size_t bytes) {
+    if (c_deallocate(0, p, bytes, device, nullptr) != 0) {
+      last_error = "cudamem_deallocate failed";
+    }
+  };
   std::vector<void*> at(slots, nullptr);
   const cudaStream_t stream = nullptr;  // the log's one stream: PyTorch's default
   for (int k = 0; k < 4; ++k) {
@@ -157,7 +180,15 @@ __attribute__((visibility("default"))) int replay_pass(int which, std::size_t la
       }
       const int kind = (o.allocate ? 0 : 2) + (o.bytes >= large_bytes ? 0 : 1);
       const auto start = clock_type::now();
-      if (o.allocate) {
+      if (a == nullptr) {  // the C API; a failure ends the pass (the time is not used)
+        if (o.allocate && c_allocate(0, o.bytes, device, stream, &at[o.slot]) != 0) {
+          last_error = "cudamem_allocate failed";
+          break;
+        }
+        if (!o.allocate) {
+          c_free(at[o.slot], o.bytes);
+        }
+      } else if (o.allocate) {
         at[o.slot] = a->raw_alloc_with_stream(o.bytes, stream);
       } else {
         a->raw_delete(at[o.slot]);
@@ -172,9 +203,14 @@ __attribute__((visibility("default"))) int replay_pass(int which, std::size_t la
   } catch (const std::exception& e) {
     last_error = e.what();
   }
-  for (void* p : at) {
-    if (p != nullptr) {
-      a->raw_delete(p);
+  for (std::size_t slot = 0; slot < at.size(); ++slot) {
+    if (at[slot] == nullptr) {
+      continue;
+    }
+    if (a != nullptr) {
+      a->raw_delete(at[slot]);
+    } else {
+      c_free(at[slot], slot_bytes[slot]);
     }
   }
   return last_error.empty() ? 0 : 1;
