@@ -25,6 +25,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 import common
 
@@ -45,21 +46,31 @@ def start(script, allocator, *arguments, cpus="", gpu=None):
     env = common.environment_for(allocator)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
+    # Files, not pipes: children that run at the same time are waited for one after the
+    # other, and one whose pipe filled up meanwhile would stop in the middle of its timing.
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    child = subprocess.Popen(command, env=env, stdout=out, stderr=err, text=True)
     child.what = "%s %s %s" % (script, allocator, arguments)
+    child.files = (out, err)
     return child
 
 
 def finish(child, timeout=900):
     """The RESULT lines of a child from start() (printed), or [] when it failed (its output
     printed to stderr). A child past `timeout` seconds is killed and counts as failed."""
+    killed = ""
     try:
-        out, err = child.communicate(timeout=timeout)
+        child.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         child.kill()
-        out, err = child.communicate()
-        err += "\n(killed after %d s)" % timeout
+        child.wait()
+        killed = "\n(killed after %d s)" % timeout
+    texts = []
+    for f in child.files:
+        with f:
+            f.seek(0)
+            texts.append(f.read())
+    out, err = texts[0], texts[1] + killed
     results = [line[len("RESULT "):] for line in out.splitlines() if line.startswith("RESULT ")]
     if child.returncode != 0 or not results:
         sys.stderr.write("%s failed (%d):\n%s\n%s\n"

@@ -139,3 +139,32 @@ def test_side_by_side_children_run_together_where_placed(run_all, tmp_path, monk
     # The two children of a pass started together, not one after the other.
     starts = [float(p[2].split("=")[1]) for p in placed]
     assert abs(starts[0] - starts[1]) < 0.8 and abs(starts[2] - starts[3]) < 0.8
+
+
+FAKE_CHATTY = r'''
+import os, sys, time
+if os.environ["CUDA_VISIBLE_DEVICES"] == "0":
+    time.sleep(1.0)  # waited for first; meanwhile the other writes
+else:
+    for _ in range(2000):  # 200 KB: more than a pipe holds
+        sys.stdout.write("NOTE " + "y" * 95 + "\n")
+    sys.stdout.flush()
+print("NOTE finished %.3f" % time.time())
+print("RESULT speed %s 10.0 steps/s at batch 2, windows 1" % os.environ["CUDAMEM_BENCH_ALLOCATOR"])
+'''
+
+
+def test_a_child_waited_for_later_is_not_held_up_by_its_output(
+        run_all, tmp_path, monkeypatch, capsys):
+    (tmp_path / "train.py").write_text(FAKE_CHATTY)
+    monkeypatch.setattr(run_all, "HERE", str(tmp_path))
+    monkeypatch.setattr(run_all, "show_notes", True)
+    cpu = str(min(os.sched_getaffinity(0)))
+    quiet = run_all.start("train.py", "default", cpus=cpu, gpu="0")
+    chatty = run_all.start("train.py", "cudamem", cpus=cpu, gpu="1")
+    assert run_all.finish(quiet) and run_all.finish(chatty)
+    finished = [float(line.split()[-1]) for line in capsys.readouterr().out.splitlines()
+                if "finished" in line]
+    assert len(finished) == 2
+    # The chatty child wrote 200 KB and ended while the quiet one still slept.
+    assert finished[1] < finished[0] - 0.5
