@@ -38,16 +38,10 @@ NAMES = ("pytorch", "cudamem", "c_api")
 
 def build(torch, directory):
     from cudamem import _torch_build
-    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
-    lib = os.path.join(torch_dir, "lib")
     target = os.path.join(directory, "torch_replay_cost.so")
-    command = [_torch_build.choose_compiler(), "-O2", "-shared", "-fPIC", "-std=c++17",
-               "-fvisibility=hidden",
-               "-D_GLIBCXX_USE_CXX11_ABI=%d" % int(torch._C._GLIBCXX_USE_CXX11_ABI),
-               "-isystem", os.path.join(torch_dir, "include"),
-               "-isystem", _torch_build.cuda_include_dir(),
-               os.path.join(HERE, "torch_replay_cost.cpp"), "-o", target,
-               "-L" + lib, "-lc10", "-lc10_cuda", "-Wl,-rpath," + lib]
+    command = _torch_build.compile_command(torch, _torch_build.choose_compiler(),
+                                           os.path.join(HERE, "torch_replay_cost.cpp"), target,
+                                           ["c10", "c10_cuda"])
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError("compiling torch_replay_cost.cpp failed:\n" + done.stderr[-3000:])

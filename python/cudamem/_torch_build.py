@@ -125,13 +125,27 @@ def find(torch):
     return None
 
 
+def compile_command(torch, compiler, source, target, libraries):
+    """The command that compiles `source` (C++ over PyTorch's and cudamem's C headers) into
+    the shared library `target`, linked to PyTorch's `libraries` (names without lib/.so): the
+    flags that must match the installed PyTorch (its C++ ABI, its headers, where its libraries
+    are found at run time) are chosen here, once, for the allocator and the benchmarks."""
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
+    lib = os.path.join(torch_dir, "lib")
+    return ([compiler, "-O2", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden",
+             "-D_GLIBCXX_USE_CXX11_ABI=%d" % int(torch._C._GLIBCXX_USE_CXX11_ABI),
+             "-isystem", os.path.join(torch_dir, "include"),
+             "-isystem", cuda_include_dir(), "-I", c_header_dir(), source, "-o", target,
+             "-L" + lib]
+            + ["-l" + name for name in libraries] + ["-Wl,-rpath," + lib])
+
+
 def build(torch, directory, quiet=False):
     """Compiles the allocator into `directory`; returns its path."""
     name = library_name(torch)
     target = os.path.join(directory, name)
     if os.path.isfile(target):
         return target
-    torch_dir = os.path.dirname(os.path.abspath(torch.__file__))
     compiler = choose_compiler()
     os.makedirs(directory, exist_ok=True)
     if not quiet:
@@ -140,13 +154,8 @@ def build(torch, directory, quiet=False):
               file=sys.stderr, flush=True)
     fd, temporary = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
-    lib = os.path.join(torch_dir, "lib")
-    command = [compiler, "-O2", "-shared", "-fPIC", "-std=c++17", "-fvisibility=hidden",
-               "-D_GLIBCXX_USE_CXX11_ABI=%d" % int(torch._C._GLIBCXX_USE_CXX11_ABI),
-               "-isystem", os.path.join(torch_dir, "include"),
-               "-isystem", cuda_include_dir(), "-I", c_header_dir(),
-               os.path.join(SOURCE_DIR, "torch_allocator.cpp"), "-o", temporary,
-               "-L" + lib, "-lc10", "-lc10_cuda", "-ltorch_cuda", "-Wl,-rpath," + lib]
+    command = compile_command(torch, compiler, os.path.join(SOURCE_DIR, "torch_allocator.cpp"),
+                              temporary, ["c10", "c10_cuda", "torch_cuda"])
     started = time.monotonic()
     try:
         done = subprocess.run(command, capture_output=True, text=True)
