@@ -54,8 +54,9 @@
 // otherwise). Every allocator is destroyed, and the device's free memory checked, before the
 // next starts. Lines are printed (and flushed) as they are measured. With no GPU and no
 // --simulated it prints one line and exits 69.
-#include <cudamem/detail/pool/stream_events.hpp>
+#include <cudamem/detail/pool/host_stream_events.hpp>
 #include <cudamem/detail/vm/driver_mapping.hpp>
+#include <cudamem/detail/vm/simulated_mapping.hpp>
 #include <cudamem/device_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 #include <cudamem/pool_resource.hpp>

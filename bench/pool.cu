@@ -26,6 +26,7 @@
 // no-ops), rewound after each run; a row is "-" when the trace's bytes exceed a quarter of the
 // device. With no GPU and no --simulated it prints one line and exits 69.
 #include <cudamem/arena_resource.hpp>
+#include <cudamem/detail/vm/simulated_mapping.hpp>
 #include <cudamem/device_resource.hpp>
 #include <cudamem/pool_resource.hpp>
 #include <cudamem/simulated_resource.hpp>

@@ -22,6 +22,7 @@
 // time, bytes and verdict of the first allocation that failed, with the full report.
 // Exit status: 0 completed, 2 ran out of memory, 1 bad arguments or an unreadable log.
 #include <cudamem/arena_resource.hpp>
+#include <cudamem/detail/vm/simulated_mapping.hpp>
 #include <cudamem/log_format.hpp>
 #include <cudamem/logging_adaptor.hpp>
 #include <cudamem/pool_resource.hpp>

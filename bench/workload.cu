@@ -127,7 +127,8 @@
 //
 // With no GPU (and no --simulated) the program prints one line and exits 69.
 #include <cudamem/arena_resource.hpp>
-#include <cudamem/detail/pool/stream_events.hpp>
+#include <cudamem/detail/pool/host_stream_events.hpp>
+#include <cudamem/detail/vm/simulated_mapping.hpp>
 #include <cudamem/device_resource.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/exec_policy.hpp>

@@ -12,6 +12,8 @@
 // sums; the pool's statistics show where the temporaries went, and how often the pool itself
 // called cudaMalloc.
 #include <cudamem/cudamem.hpp>
+#include <cudamem/exec_policy.hpp>       // not in cudamem.hpp: it brings thrust
+#include <cudamem/thrust_allocator.hpp>  // (ditto)
 
 #include <thrust/copy.h>
 #include <thrust/device_vector.h>

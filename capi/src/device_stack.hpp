@@ -21,6 +21,7 @@
 
 #include <cudamem/async_resource.hpp>
 #include <cudamem/detail/vm/mapping.hpp>
+#include <cudamem/detail/vm/simulated_mapping.hpp>
 #include <cudamem/device_resource.hpp>
 #include <cudamem/limiting_adaptor.hpp>
 #include <cudamem/memory_report.hpp>

@@ -8,7 +8,6 @@
 //   std::vector<float> host(n);
 //   cudamem::device_buffer<float> dev(n, s);
 //   cudamem::copy(dev, host, s);        // copy.hpp: above 1 MiB it is staged, by itself
-//
 //   // Explicit use, and the knobs:
 //   cudamem::copy_stager& stager = cudamem::default_copy_stager();   // the current device's
 //   stager.set_options({.chunk_bytes = 4 << 20, .chunk_count = 2, .threads = 2});  // smaller
@@ -68,8 +67,7 @@
 //                        copy is cut into stages, copy_stager_stats
 //   memcpy_workers.hpp   the host threads that share one memcpy
 //   transfer_engine.hpp  the CUDA calls of the pipeline behind an interface (tests: a fake)
-// Here: the stager (its chunks, the pipeline, giving chunks back after a failure), and when
-// cudamem::copy stages, through the per-device default stagers.
+// Here: the stager (chunks, pipeline, failures), and when cudamem::copy stages (default stagers).
 #pragma once
 
 #include <cudamem/detail/copy/memcpy_workers.hpp>
@@ -77,23 +75,21 @@
 #include <cudamem/detail/copy/transfer_engine.hpp>
 #include <cudamem/detail/cuda/cuda_upstream.hpp>
 #include <cudamem/detail/cuda/stream_ops.hpp>
+#include <cudamem/detail/sync/atomic.hpp>
+#include <cudamem/detail/sync/mutex.hpp>
+#include <cudamem/detail/unique_owner.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/stream.hpp>
 
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
-#include <atomic>
-#include <condition_variable>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
-#include <memory>
-#include <mutex>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 namespace cudamem {
@@ -102,14 +98,18 @@ class copy_stager {
  public:
   /// A stager for copies on streams of `device` (-1: the current device).
   explicit copy_stager(int device = -1, const copy_stager_options& options = {})
-      : copy_stager(std::make_unique<detail::cuda_transfer_engine>(detail::resolve_device(device)),
+      : copy_stager(detail::make_unique_owner<detail::cuda_transfer_engine>(
+                        detail::resolve_device(device)),
                     options) {}
 
-  /// A stager over any engine (tests give it a fake one).
-  explicit copy_stager(std::unique_ptr<detail::transfer_engine> engine,
-                       const copy_stager_options& options = {})
+  /// A stager over any engine (tests: a fake), given by its owning pointer (a unique_ptr).
+  template <class EngineOwner>
+    requires requires(EngineOwner& owner) {
+      { owner.release() } -> std::convertible_to<detail::transfer_engine*>;
+    }
+  explicit copy_stager(EngineOwner engine, const copy_stager_options& options = {})
       : options_(detail::validated_stager_options(options)),
-        engine_(std::move(engine)),
+        engine_(engine.release()),
         slots_(options_.chunk_count) {
     if (engine_ == nullptr) {
       throw std::invalid_argument("cudamem::copy_stager: the transfer engine is null");
@@ -145,7 +145,7 @@ class copy_stager {
   }
 
   [[nodiscard]] copy_stager_options options() const {
-    const std::lock_guard lock{mutex_};
+    const detail::lock_guard lock{mutex_};
     return options_;
   }
 
@@ -154,7 +154,7 @@ class copy_stager {
   void set_options(const copy_stager_options& options) {
     const copy_stager_options checked = detail::validated_stager_options(options);
     std::vector<chunk_slot> fresh(checked.chunk_count);  // before anything changes: may throw
-    std::unique_lock lock{mutex_};
+    detail::unique_lock lock{mutex_};
     idle_.wait(lock, [this] { return copies_in_progress_ == 0; });
     free_chunks(lock);
     workers_.stop();
@@ -165,7 +165,7 @@ class copy_stager {
   /// Frees every chunk and joins the workers, once the copies in progress are done. The next
   /// copy starts over (allocating chunks and starting threads again).
   void release() noexcept {
-    std::unique_lock lock{mutex_};
+    detail::unique_lock lock{mutex_};
     idle_.wait(lock, [this] { return copies_in_progress_ == 0; });
     free_chunks(lock);
     workers_.stop();
@@ -174,7 +174,7 @@ class copy_stager {
   [[nodiscard]] copy_stager_stats stats() const {
     copy_stager_stats s;
     {
-      const std::lock_guard lock{mutex_};
+      const detail::lock_guard lock{mutex_};
       for (const chunk_slot& slot : slots_) {
         if (slot.memory != nullptr) {
           ++s.chunks_allocated;
@@ -234,11 +234,11 @@ class copy_stager {
     copy_stager_options o;
     std::vector<std::size_t> taken;
     {
-      std::unique_lock lock{mutex_};
+      detail::unique_lock lock{mutex_};
       o = options_;
       const std::size_t stage = detail::stage_bytes(bytes, o);
       const std::size_t stages = (bytes + stage - 1) / stage;
-      const std::size_t wanted = std::min<std::size_t>(stages, o.chunk_count);
+      const std::size_t wanted = stages < o.chunk_count ? stages : std::size_t{o.chunk_count};
       chunk_freed_.wait(lock, [this] { return free_slot_count() > 0; });
       for (std::size_t i = 0; i < slots_.size() && taken.size() < wanted; ++i) {
         if (!slots_[i].taken) {
@@ -255,7 +255,9 @@ class copy_stager {
     allocate_missing(chunks, o.chunk_bytes);
     const std::size_t stage = detail::stage_bytes(bytes, o);
     const std::size_t stages = (bytes + stage - 1) / stage;
-    const auto length = [&](std::size_t i) { return std::min(stage, bytes - i * stage); };
+    const auto length = [&](std::size_t i) {
+      return stage < bytes - i * stage ? stage : bytes - i * stage;
+    };
     if (way == direction::to_device) {
       for (std::size_t i = 0; i < stages; ++i) {
         chunk_slot& chunk = chunks[i];
@@ -265,7 +267,7 @@ class copy_stager {
       }
     } else {
       const std::size_t ahead = chunks.count();
-      for (std::size_t i = 0; i < std::min(ahead, stages); ++i) {
+      for (std::size_t i = 0; i < ahead && i < stages; ++i) {
         settle(chunks[i]);
         enqueue_dma(chunks[i], chunks[i].memory, src + i * stage, length(i), stream);
       }
@@ -282,8 +284,11 @@ class copy_stager {
   }
 
   std::size_t free_slot_count() const noexcept {
-    return static_cast<std::size_t>(
-        std::count_if(slots_.begin(), slots_.end(), [](const chunk_slot& s) { return !s.taken; }));
+    std::size_t taken = 0;
+    for (const chunk_slot& slot : slots_) {
+      taken += slot.taken ? 1 : 0;
+    }
+    return slots_.size() - taken;
   }
 
   /// Pinned memory and an event for every held chunk that has none yet (outside the lock:
@@ -302,7 +307,7 @@ class copy_stager {
         engine_->destroy_fence(done);
         throw;
       }
-      const std::lock_guard lock{mutex_};  // stats() reads `memory`
+      const detail::lock_guard lock{mutex_};  // stats() reads `memory`
       slot.memory = static_cast<unsigned char*>(memory);
       slot.done = done;
       slot.fence_pending = false;
@@ -330,7 +335,7 @@ class copy_stager {
                  bool succeeded) noexcept {
     const bool settled = succeeded || engine_->synchronize(stream);
     {
-      const std::lock_guard lock{mutex_};
+      const detail::lock_guard lock{mutex_};
       for (const std::size_t i : held) {
         chunk_slot& slot = slots_[i];
         if (!succeeded) {
@@ -351,7 +356,7 @@ class copy_stager {
   }
 
   /// Frees every chunk; called with the lock held and no copy in progress.
-  void free_chunks(std::unique_lock<std::mutex>& /*held*/) noexcept {
+  void free_chunks(detail::unique_lock<detail::mutex>& /*held*/) noexcept {
     for (chunk_slot& slot : slots_) {
       if (slot.memory == nullptr) {
         continue;
@@ -368,11 +373,11 @@ class copy_stager {
     }
   }
 
-  mutable std::mutex mutex_;
-  std::condition_variable chunk_freed_;  // a copy gave its chunks back
-  std::condition_variable idle_;         // ... and copies_in_progress_ may be 0
+  mutable detail::mutex mutex_;
+  detail::condition_variable chunk_freed_;  // a copy gave its chunks back
+  detail::condition_variable idle_;         // ... and copies_in_progress_ may be 0
   copy_stager_options options_;
-  std::unique_ptr<detail::transfer_engine> engine_;
+  detail::unique_owner<detail::transfer_engine> engine_;
   std::vector<chunk_slot> slots_;  // fields of a taken slot belong to the copy holding it
   std::size_t copies_in_progress_ = 0;
   std::uint64_t staged_copies_ = 0;
@@ -390,16 +395,16 @@ inline constexpr std::size_t default_direct_copy_max_bytes = std::size_t{1} << 2
 
 namespace detail {
 
-inline std::atomic<std::size_t>& direct_copy_limit() noexcept {
-  static std::atomic<std::size_t> limit{default_direct_copy_max_bytes};
+inline detail::atomic<std::size_t>& direct_copy_limit() noexcept {
+  static detail::atomic<std::size_t> limit{default_direct_copy_max_bytes};
   return limit;
 }
 
 /// The default stagers, one per device; never destroyed (see the contract).
 struct default_stager_table {
-  std::mutex mutex;
+  detail::mutex mutex;
   std::vector<copy_stager*> per_device;
-  std::atomic<bool> retired{false};  // set at exit: copies go direct from then on
+  detail::atomic<bool> retired{false};  // set at exit: copies go direct from then on
 };
 
 inline default_stager_table& default_stagers() {
@@ -411,7 +416,7 @@ inline void release_stagers(bool retire) noexcept {
   default_stager_table& table = default_stagers();
   std::vector<copy_stager*> stagers;
   {
-    const std::lock_guard lock{table.mutex};
+    const detail::lock_guard lock{table.mutex};
     if (retire) {
       table.retired = true;
     }
@@ -430,19 +435,19 @@ inline void retire_default_stagers_at_exit() noexcept { release_stagers(true); }
 
 /// Copies of at most this many bytes are never staged by cudamem::copy.
 [[nodiscard]] inline std::size_t direct_copy_max_bytes() noexcept {
-  return detail::direct_copy_limit().load(std::memory_order_relaxed);
+  return detail::direct_copy_limit().load(detail::memory_order_relaxed);
 }
 
 /// Sets cudamem::copy's threshold for every thread (SIZE_MAX: never stage).
 inline void set_direct_copy_max_bytes(std::size_t bytes) noexcept {
-  detail::direct_copy_limit().store(bytes, std::memory_order_relaxed);
+  detail::direct_copy_limit().store(bytes, detail::memory_order_relaxed);
 }
 
 /// The stager of `device` (-1: the current one), made on first use; see the contract.
 [[nodiscard]] inline copy_stager& default_copy_stager(int device = -1) {
   device = detail::resolve_device(device);
   detail::default_stager_table& table = detail::default_stagers();
-  const std::lock_guard lock{table.mutex};
+  const detail::lock_guard lock{table.mutex};
   if (table.per_device.size() <= static_cast<std::size_t>(device)) {
     table.per_device.resize(static_cast<std::size_t>(device) + 1, nullptr);
   }

@@ -1,11 +1,19 @@
-// cudamem/cudamem.hpp — everything in one include. Prefer the topic headers in libraries
-// (they compile faster); this is for applications and examples.
+// cudamem/cudamem.hpp — every topic header in one include, for applications and examples.
+// Libraries should prefer the topic headers: each translation unit pays only for what it
+// includes (bench/compile_time.py measures both).
+//
+// Not in here: the interop headers that bring a CCCL library with them, which cost a translation
+// unit more than all of cudamem together (thrust's and libcu++'s headers). Include them where
+// they are used:
+//   cudamem/thrust_allocator.hpp   thrust::device_vector over any resource
+//   cudamem/exec_policy.hpp        thrust algorithms taking temporaries from a resource
+//   cudamem/cccl_span.hpp          device memory as cuda::std::span / mdspan
+//   cudamem/cccl_resource.hpp      resources as cuda::mr resource_refs
+// nor cudamem/nccl.hpp and cudamem/nccl_pool.hpp, which need NCCL.
 #pragma once
 
 #include <cudamem/arena_resource.hpp>
 #include <cudamem/async_resource.hpp>
-#include <cudamem/cccl_resource.hpp>  // declares nothing unless CCCL's experimental macro is on
-#include <cudamem/cccl_span.hpp>
 #include <cudamem/context.hpp>
 #include <cudamem/copy.hpp>
 #include <cudamem/copy_stager.hpp>
@@ -18,7 +26,6 @@
 #include <cudamem/device_span.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/event.hpp>
-#include <cudamem/exec_policy.hpp>
 #include <cudamem/failing_adaptor.hpp>
 #include <cudamem/fd_passing.hpp>
 #include <cudamem/host_resource.hpp>
@@ -46,7 +53,6 @@
 #include <cudamem/statistics_adaptor.hpp>
 #include <cudamem/stream.hpp>
 #include <cudamem/sync_guard.hpp>
-#include <cudamem/thrust_allocator.hpp>
 #include <cudamem/trace_export.hpp>
 #include <cudamem/tracking_adaptor.hpp>
 #include <cudamem/version.hpp>

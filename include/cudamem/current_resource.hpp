@@ -32,9 +32,9 @@
 #include <cudamem/device_resource.hpp>
 #include <cudamem/memory_resource.hpp>
 
-#include <atomic>
+#include <cudamem/detail/sync/atomic.hpp>
+
 #include <cstddef>
-#include <memory>
 #include <stdexcept>
 #include <string>
 
@@ -51,26 +51,24 @@ class current_resource_table {
   current_resource_table(int devices, default_factory make_default)
       : devices_(devices),
         make_default_(make_default),
-        current_(std::make_unique<std::atomic<memory_resource*>[]>(static_cast<std::size_t>(devices))),
-        defaults_(std::make_unique<std::atomic<memory_resource*>[]>(static_cast<std::size_t>(devices))) {
-    for (int d = 0; d < devices; ++d) {
-      current_[static_cast<std::size_t>(d)].store(nullptr);
-      defaults_[static_cast<std::size_t>(d)].store(nullptr);
-    }
-  }
+        slots_(new slot[static_cast<std::size_t>(devices)]) {}  // value-initialised: nullptrs
+
+  ~current_resource_table() { delete[] slots_; }
+  current_resource_table(const current_resource_table&) = delete;
+  current_resource_table& operator=(const current_resource_table&) = delete;
 
   [[nodiscard]] int devices() const noexcept { return devices_; }
 
   [[nodiscard]] memory_resource& get(int device) {
     const std::size_t slot = index(device);
-    memory_resource* mr = current_[slot].load(std::memory_order_acquire);
+    memory_resource* mr = slots_[slot].current.load(memory_order_acquire);
     return mr != nullptr ? *mr : default_for(slot);
   }
 
   /// Sets `mr` (nullptr: the default) and returns what was current before.
   memory_resource& exchange(memory_resource* mr, int device) {
     const std::size_t slot = index(device);
-    memory_resource* before = current_[slot].exchange(mr, std::memory_order_acq_rel);
+    memory_resource* before = slots_[slot].current.exchange(mr, memory_order_acq_rel);
     return before != nullptr ? *before : default_for(slot);
   }
 
@@ -86,21 +84,27 @@ class current_resource_table {
   /// The default resource of a device, made on first use. Two threads may race to make it:
   /// one wins the compare-exchange, the other deletes its own and uses the winner's.
   memory_resource& default_for(std::size_t slot) {
-    memory_resource* existing = defaults_[slot].load(std::memory_order_acquire);
+    memory_resource* existing = slots_[slot].made.load(memory_order_acquire);
     if (existing != nullptr) {
       return *existing;
     }
-    std::unique_ptr<memory_resource> made{make_default_(static_cast<int>(slot))};
-    if (defaults_[slot].compare_exchange_strong(existing, made.get(), std::memory_order_acq_rel)) {
-      return *made.release();  // owned by the table from now on, and never destroyed
+    memory_resource* made = make_default_(static_cast<int>(slot));
+    if (slots_[slot].made.compare_exchange_strong(existing, made, memory_order_acq_rel)) {
+      return *made;  // owned by the table from now on, and never destroyed
     }
+    delete made;
     return *existing;
   }
 
+  /// One device's current resource (nullptr: its default) and its default once made.
+  struct slot {
+    atomic<memory_resource*> current;
+    atomic<memory_resource*> made;
+  };
+
   int devices_;
   default_factory make_default_;
-  std::unique_ptr<std::atomic<memory_resource*>[]> current_;
-  std::unique_ptr<std::atomic<memory_resource*>[]> defaults_;
+  slot* slots_;  // devices_ of them
 };
 
 /// The process's table, sized by the devices visible. Made on first use and never destroyed

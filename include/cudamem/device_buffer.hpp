@@ -54,16 +54,14 @@
 #include <cudamem/current_resource.hpp>
 #include <cudamem/detail/buffers/owned_block.hpp>
 #include <cudamem/detail/cuda/stream_ops.hpp>
+#include <cudamem/detail/host_range.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/device_span.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/stream.hpp>
 
-#include <algorithm>
 #include <cstddef>
-#include <iterator>
 #include <limits>
-#include <ranges>
 #include <source_location>
 #include <stdexcept>
 #include <string>
@@ -85,7 +83,8 @@ class device_buffer {
   using size_type = std::size_t;
 
   /// The alignment every buffer asks for: enough for T, and at least what cudaMalloc gives.
-  static constexpr std::size_t alignment = std::max(alignof(T), default_alignment);
+  static constexpr std::size_t alignment =
+      alignof(T) > default_alignment ? alignof(T) : default_alignment;
 
   /// `n` uninitialised elements, in stream order on `stream`, from `mr`.
   explicit device_buffer(std::size_t n, stream_view stream = {},
@@ -116,9 +115,7 @@ class device_buffer {
   }
 
   /// A copy of the host range `host` (a std::vector, std::array, gsl::span, ... of T).
-  template <std::ranges::contiguous_range Range>
-    requires std::ranges::sized_range<Range> &&
-             std::same_as<std::ranges::range_value_t<Range>, T>
+  template <detail::contiguous_range_of<T> Range>
   explicit device_buffer(const Range& host, stream_view stream = {},
                          memory_resource& mr = get_current_resource(),
                          std::source_location where = std::source_location::current())

@@ -35,9 +35,10 @@
 #error "cudamem needs C++20. With CMake set CXX_STANDARD 20 (and CUDA_STANDARD 20 for .cu files)."
 #endif
 
+#include <cudamem/detail/sync/atomic.hpp>
+
 #include <cuda_runtime_api.h>
 
-#include <atomic>
 #include <cstdio>
 #include <source_location>
 #include <stdexcept>
@@ -156,8 +157,8 @@ inline void print_error(const error_report& report) noexcept {
 }
 
 namespace detail {
-inline std::atomic<error_handler>& handler_slot() noexcept {
-  static std::atomic<error_handler> slot{&print_error};
+inline atomic<error_handler>& handler_slot() noexcept {
+  static atomic<error_handler> slot{&print_error};
   return slot;
 }
 }  // namespace detail

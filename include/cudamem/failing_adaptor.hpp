@@ -29,14 +29,14 @@
 // - Thread-safe: counters are atomic; the random generator is behind a mutex.
 #pragma once
 
+#include <cudamem/detail/sync/atomic.hpp>
+#include <cudamem/detail/sync/mutex.hpp>
 #include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -84,7 +84,7 @@ class failing_adaptor final : public memory_resource {
   }
 
   void set_plan(plan p, std::size_t k, double probability, std::uint64_t seed) {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     plan_ = p;
     k_ = k;
     probability_ = probability;
@@ -103,7 +103,7 @@ class failing_adaptor final : public memory_resource {
 
   /// Counts the call and decides whether it fails; returns its number.
   bool should_fail(std::size_t& call) {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     call = ++calls_;
     switch (plan_) {
       case plan::never: return false;
@@ -157,14 +157,14 @@ class failing_adaptor final : public memory_resource {
   memory_resource* do_upstream() const noexcept override { return upstream_; }
 
   memory_resource* upstream_;
-  std::mutex mutex_;
+  detail::mutex mutex_;
   plan plan_ = plan::never;
   std::size_t k_ = 0;
   double probability_ = 0.0;
   std::uint64_t rng_state_ = 0;
-  std::atomic<std::size_t> calls_{0};
-  std::atomic<std::size_t> failures_{0};
-  std::atomic<std::size_t> frees_{0};
+  detail::atomic<std::size_t> calls_{0};
+  detail::atomic<std::size_t> failures_{0};
+  detail::atomic<std::size_t> frees_{0};
 };
 
 }  // namespace cudamem

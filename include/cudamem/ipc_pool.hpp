@@ -83,6 +83,8 @@
 #include <cudamem/detail/cuda/cuda_upstream.hpp>
 #include <cudamem/detail/cuda/quiet_device_scope.hpp>
 #include <cudamem/detail/ipc/ipc_common.hpp>
+#include <cudamem/detail/sync/atomic.hpp>
+#include <cudamem/detail/sync/mutex.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/device_span.hpp>
 #include <cudamem/error.hpp>
@@ -94,10 +96,8 @@
 
 #include <fcntl.h>
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <mutex>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -171,7 +171,7 @@ class ipc_pool_resource final : public memory_resource {
 
   ~ipc_pool_resource() override {
     {
-      const std::lock_guard lock(mutex_);
+      const detail::lock_guard lock(mutex_);
       if (!live_.empty()) {
         report_problem("ipc_pool_resource destroyed with " + std::to_string(live_.size()) +
                        " allocation(s) outstanding (leaked; CUDA releases the pool when they "
@@ -190,20 +190,20 @@ class ipc_pool_resource final : public memory_resource {
     int fd = -1;
     check(cudaMemPoolExportToShareableHandle(&fd, pool_, cudaMemHandleTypePosixFileDescriptor, 0),
           "cudaMemPoolExportToShareableHandle");
-    exported_.store(true, std::memory_order_release);
+    exported_.store(true, detail::memory_order_release);
     return {unique_fd{fd}, descriptor_};
   }
 
   /// The token for `p`, an allocation of this resource not yet freed; else std::invalid_argument.
   [[nodiscard]] ipc_pointer export_pointer(const void* p) const {
-    if (!exported_.load(std::memory_order_acquire)) {
+    if (!exported_.load(detail::memory_order_acquire)) {
       throw std::logic_error(
           "cudamem: ipc_pool_resource::export_pointer: call export_pool() first (CUDA exports "
           "allocations only of a pool that has been shared)");
     }
     ipc_pointer token;
     {
-      const std::lock_guard lock(mutex_);
+      const detail::lock_guard lock(mutex_);
       const auto found = live_.find(p);
       if (found == live_.end()) {
         throw std::invalid_argument(
@@ -232,7 +232,7 @@ class ipc_pool_resource final : public memory_resource {
     detail::throw_if_allocation_failed(code, *this, bytes, alignment, "cudaMallocFromPoolAsync",
                                        given_back);
     try {
-      const std::lock_guard lock(mutex_);
+      const detail::lock_guard lock(mutex_);
       live_.emplace(p, bytes);
     } catch (...) {
       report_error(cudaFreeAsync(p, stream.get()), "ipc_pool_resource: cudaFreeAsync");
@@ -245,7 +245,7 @@ class ipc_pool_resource final : public memory_resource {
   void do_deallocate(void* p, std::size_t bytes, std::size_t /*alignment*/,
                      stream_view stream) noexcept override {
     {
-      const std::lock_guard lock(mutex_);
+      const detail::lock_guard lock(mutex_);
       if (live_.erase(p) == 0) {
         report_problem("ipc_pool_resource: deallocate of a pointer it did not allocate, or "
                        "already freed; ignored");
@@ -286,9 +286,9 @@ class ipc_pool_resource final : public memory_resource {
 
   cudaMemPool_t pool_ = nullptr;
   ipc_pool_descriptor descriptor_;
-  mutable std::mutex mutex_;
+  mutable detail::mutex mutex_;
   std::unordered_map<const void*, std::size_t> live_;  ///< what export_pointer may export
-  mutable std::atomic<bool> exported_{false};           ///< export_pool has succeeded once
+  mutable detail::atomic<bool> exported_{false};           ///< export_pool has succeeded once
   detail::usage_counter usage_;
 };
 
@@ -353,7 +353,7 @@ class imported_pointer {
                  "imported_pointer: cudaFreeAsync of an imported allocation");
     report_error(cudaStreamSynchronize(cudaStreamLegacy),
                  "imported_pointer: waiting for the free of an imported allocation");
-    live_->fetch_sub(1, std::memory_order_relaxed);
+    live_->fetch_sub(1, detail::memory_order_relaxed);
     ptr_ = nullptr;
     bytes_ = 0;
     access_ = nullptr;
@@ -363,16 +363,16 @@ class imported_pointer {
  private:
   friend class imported_pool;
   imported_pointer(void* ptr, std::size_t bytes, int device, const std::vector<int>* access,
-                   std::atomic<long>* live) noexcept
+                   detail::atomic<long>* live) noexcept
       : ptr_(ptr), bytes_(bytes), device_(device), access_(access), live_(live) {
-    live_->fetch_add(1, std::memory_order_relaxed);
+    live_->fetch_add(1, detail::memory_order_relaxed);
   }
 
   void* ptr_ = nullptr;
   std::size_t bytes_ = 0;
   int device_ = -1;
   const std::vector<int>* access_ = nullptr;  ///< the pool's devices with access
-  std::atomic<long>* live_ = nullptr;         ///< the pool's count of live imports
+  detail::atomic<long>* live_ = nullptr;         ///< the pool's count of live imports
 };
 
 /// How to import a pool.
@@ -467,7 +467,7 @@ class imported_pool {
   int device_ = -1;
   std::vector<int> access_;  ///< device_ first; what imported_pointer waits for before a free
   cudaMemPool_t pool_ = nullptr;
-  std::atomic<long> live_{0};
+  detail::atomic<long> live_{0};
 };
 
 }  // namespace cudamem

@@ -26,11 +26,11 @@
 
 #include <cudamem/detail/adaptors/adaptor_base.hpp>
 #include <cudamem/detail/adaptors/owner_bias.hpp>
+#include <cudamem/detail/sync/atomic.hpp>
 #include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 
-#include <atomic>
 #include <cstddef>
 #include <string>
 #include <string_view>
@@ -43,23 +43,23 @@ class limiting_adaptor final : public detail::adaptor_base<limiting_adaptor> {
       : adaptor_base(upstream), budget_(budget_bytes) {}
 
   [[nodiscard]] std::size_t budget() const noexcept {
-    return budget_.load(std::memory_order_relaxed);
+    return budget_.load(detail::memory_order_relaxed);
   }
   void set_budget(std::size_t budget_bytes) noexcept {
-    budget_.store(budget_bytes, std::memory_order_relaxed);
+    budget_.store(budget_bytes, detail::memory_order_relaxed);
   }
   /// Bytes handed out through this adaptor and not yet freed.
   [[nodiscard]] std::size_t used_bytes() const noexcept {
-    return used_.load(std::memory_order_relaxed);
+    return used_.load(detail::memory_order_relaxed);
   }
 
  private:
   friend class detail::adaptor_base<limiting_adaptor>;
 
   void* adapt_allocate(std::size_t bytes, std::size_t alignment, detail::request_stream stream) {
-    std::size_t used = used_.load(std::memory_order_relaxed);
+    std::size_t used = used_.load(detail::memory_order_relaxed);
     for (;;) {
-      const std::size_t budget = budget_.load(std::memory_order_relaxed);
+      const std::size_t budget = budget_.load(detail::memory_order_relaxed);
       if (bytes > budget || used > budget - bytes) {  // written so that it cannot overflow
         throw_out_of_memory(*this, bytes, alignment,
                             "limiting_adaptor: " + format_bytes(used) + " in use + " +
@@ -67,7 +67,7 @@ class limiting_adaptor final : public detail::adaptor_base<limiting_adaptor> {
                                 format_bytes(budget),
                             oom_verdict::budget);
       }
-      if (used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed)) {
+      if (used_.compare_exchange_weak(used, used + bytes, detail::memory_order_relaxed)) {
         break;
       }
     }
@@ -76,7 +76,7 @@ class limiting_adaptor final : public detail::adaptor_base<limiting_adaptor> {
       detail::raise_to(peak_, used + bytes);
       return p;
     } catch (...) {
-      used_.fetch_sub(bytes, std::memory_order_relaxed);  // the upstream failed: give it back
+      used_.fetch_sub(bytes, detail::memory_order_relaxed);  // the upstream failed: give it back
       throw;
     }
   }
@@ -84,7 +84,7 @@ class limiting_adaptor final : public detail::adaptor_base<limiting_adaptor> {
   void adapt_deallocate(void* p, std::size_t bytes, std::size_t alignment,
                         detail::request_stream stream) noexcept {
     forward_deallocate(p, bytes, alignment, stream);
-    used_.fetch_sub(bytes, std::memory_order_relaxed);
+    used_.fetch_sub(bytes, detail::memory_order_relaxed);
   }
 
   std::string_view do_name() const noexcept override { return "limiting_adaptor"; }
@@ -102,14 +102,14 @@ class limiting_adaptor final : public detail::adaptor_base<limiting_adaptor> {
   resource_stats do_stats() const override {
     resource_stats s;
     s.reserved_bytes = s.used_bytes = used_bytes();
-    s.peak_used_bytes = peak_.load(std::memory_order_relaxed);
+    s.peak_used_bytes = peak_.load(detail::memory_order_relaxed);
     s.budget = budget();
     return s;
   }
 
-  std::atomic<std::size_t> budget_;
-  std::atomic<std::size_t> used_{0};
-  std::atomic<std::size_t> peak_{0};
+  detail::atomic<std::size_t> budget_;
+  detail::atomic<std::size_t> used_{0};
+  detail::atomic<std::size_t> peak_{0};
 };
 
 }  // namespace cudamem

@@ -27,6 +27,7 @@
 #pragma once
 
 #include <cudamem/detail/adaptors/adaptor_base.hpp>
+#include <cudamem/detail/sync/mutex.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/log_format.hpp>
 #include <cudamem/memory_resource.hpp>
@@ -38,7 +39,6 @@
 #include <cstdint>
 #include <fstream>
 #include <memory>
-#include <mutex>
 #include <ostream>
 #include <stdexcept>
 #include <string>
@@ -81,13 +81,13 @@ class logging_adaptor final : public detail::adaptor_base<logging_adaptor> {
 
   /// Pushes buffered lines to the stream's destination.
   void flush() noexcept {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     guarded([this] { out_->flush(); });
   }
 
   /// Events written so far (allocations, frees and failures).
   [[nodiscard]] std::size_t events() const {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     return events_;
   }
 
@@ -128,7 +128,7 @@ class logging_adaptor final : public detail::adaptor_base<logging_adaptor> {
       } catch (...) {  // a leaf that cannot report leaves the field empty
       }
     }
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     // Taken under the lock, so times are in file order.
     e.t_ns = static_cast<std::uint64_t>(
         std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - start_).count());
@@ -187,7 +187,7 @@ class logging_adaptor final : public detail::adaptor_base<logging_adaptor> {
 
   std::string_view do_name() const noexcept override { return "logging_adaptor"; }
   resource_stats do_stats() const override {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     resource_stats s;
     s.reserved_bytes = s.used_bytes = used_;
     s.peak_used_bytes = peak_;
@@ -198,7 +198,7 @@ class logging_adaptor final : public detail::adaptor_base<logging_adaptor> {
   std::ostream* out_;
   logging_options options_;
   const clock::time_point start_;
-  mutable std::mutex mutex_;
+  mutable detail::mutex mutex_;
   std::unordered_map<std::thread::id, std::uint32_t> threads_;  // guarded by mutex_
   std::size_t events_ = 0;                                      // guarded by mutex_
   std::size_t used_ = 0;                                        // guarded by mutex_

@@ -92,7 +92,6 @@
 
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdio>
 #include <optional>
@@ -128,7 +127,8 @@ inline memory_report build_report(const memory_resource& resource, std::size_t b
     resources.push_back(r);
   }
   const memory_resource* leaf = resources.back();
-  report.origin = std::min(origin_below_top, report.chain.size() - 1);
+  const std::size_t deepest = report.chain.size() - 1;
+  report.origin = origin_below_top < deepest ? origin_below_top : deepest;
   const resource_stats& leaf_stats = report.chain.back().stats;
   if (leaf_stats.capacity) {  // a simulated device: its capacity is the whole device
     report.device_total = *leaf_stats.capacity;

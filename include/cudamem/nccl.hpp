@@ -83,6 +83,7 @@
 #include <cudamem/detail/nccl/registration.hpp>
 #include <cudamem/detail/adaptors/adaptor_base.hpp>
 #include <cudamem/detail/cuda/cuda_upstream.hpp>
+#include <cudamem/detail/sync/mutex.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_report.hpp>
@@ -98,7 +99,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <source_location>
 #include <stdexcept>
 #include <string>
@@ -157,7 +157,7 @@ class nccl_registering_adaptor final : public detail::adaptor_base<nccl_register
   }
 
   ~nccl_registering_adaptor() override {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     if (!live_.empty()) {
       try {
         report_problem("nccl_registering_adaptor destroyed with " +
@@ -178,21 +178,21 @@ class nccl_registering_adaptor final : public detail::adaptor_base<nccl_register
   [[nodiscard]] ncclComm_t communicator() const noexcept { return comm_; }
   /// Registrations live now, and their bytes.
   [[nodiscard]] std::size_t registrations() const {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     return live_.size();
   }
   [[nodiscard]] std::size_t registered_bytes() const {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     return registered_bytes_;
   }
   /// Registrations made since construction.
   [[nodiscard]] std::size_t registrations_made() const {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     return made_;
   }
   /// Whether `p` is the start of an allocation it registered and has not yet freed.
   [[nodiscard]] bool is_registered(const void* p) const {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     return live_.find(reinterpret_cast<std::uintptr_t>(p)) != live_.end();
   }
 
@@ -203,7 +203,7 @@ class nccl_registering_adaptor final : public detail::adaptor_base<nccl_register
     void* p = forward_allocate(bytes, alignment, stream);
     try {
       nccl_registration registration{comm_, p, bytes, *calls_};
-      const std::lock_guard lock(mutex_);
+      const detail::lock_guard lock(mutex_);
       // If the map cannot take it, `registration` (or the node it moved into) deregisters.
       live_.emplace(reinterpret_cast<std::uintptr_t>(p), std::move(registration));
       registered_bytes_ += bytes;
@@ -219,7 +219,7 @@ class nccl_registering_adaptor final : public detail::adaptor_base<nccl_register
                         detail::request_stream stream) noexcept {
     nccl_registration registration;
     {
-      const std::lock_guard lock(mutex_);
+      const detail::lock_guard lock(mutex_);
       const auto it = live_.find(reinterpret_cast<std::uintptr_t>(p));
       if (it != live_.end()) {
         registration = std::move(it->second);
@@ -240,7 +240,7 @@ class nccl_registering_adaptor final : public detail::adaptor_base<nccl_register
 
   ncclComm_t comm_;
   const detail::nccl_calls* calls_;
-  mutable std::mutex mutex_;  ///< guards the three below
+  mutable detail::mutex mutex_;  ///< guards the three below
   std::unordered_map<std::uintptr_t, nccl_registration> live_;
   std::size_t registered_bytes_ = 0;
   std::size_t made_ = 0;

@@ -30,16 +30,16 @@
 
 #include <cudamem/detail/adaptors/adaptor_base.hpp>
 #include <cudamem/detail/nvtx.hpp>
+#include <cudamem/detail/sync/atomic.hpp>
 #include <cudamem/memory_resource.hpp>
 
 #if CUDAMEM_NVTX
 #include <nvtx3/nvToolsExtCounters.h>
 #endif
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <mutex>
+#include <mutex>  // std::call_once
 #include <string>
 #include <string_view>
 
@@ -58,7 +58,7 @@ class nvtx_adaptor final : public detail::adaptor_base<nvtx_adaptor> {
   [[nodiscard]] const std::string& label() const noexcept { return name_; }
   /// Bytes allocated through this adaptor and not yet freed.
   [[nodiscard]] std::int64_t bytes_in_use() const noexcept {
-    return in_use_.load(std::memory_order_relaxed);
+    return in_use_.load(detail::memory_order_relaxed);
   }
 
   void* adapt_allocate(std::size_t bytes, std::size_t alignment, detail::request_stream stream) {
@@ -105,7 +105,7 @@ class nvtx_adaptor final : public detail::adaptor_base<nvtx_adaptor> {
 
   /// Counts `delta` bytes in use; with a tool, pops the range and samples the counter.
   void end_range(bool traced, std::int64_t delta) noexcept {
-    const std::int64_t now = in_use_.fetch_add(delta, std::memory_order_relaxed) + delta;
+    const std::int64_t now = in_use_.fetch_add(delta, detail::memory_order_relaxed) + delta;
     if (traced) {
       nvtxDomainRangePop(domain_);
       nvtxCounterSampleInt64(domain_, counter_, now);
@@ -141,12 +141,12 @@ class nvtx_adaptor final : public detail::adaptor_base<nvtx_adaptor> {
 #else
   static bool begin_range(bool, std::size_t) noexcept { return false; }
   void end_range(bool, std::int64_t delta) noexcept {
-    in_use_.fetch_add(delta, std::memory_order_relaxed);
+    in_use_.fetch_add(delta, detail::memory_order_relaxed);
   }
 #endif
 
   std::string name_;
-  std::atomic<std::int64_t> in_use_{0};
+  detail::atomic<std::int64_t> in_use_{0};
 };
 
 }  // namespace cudamem

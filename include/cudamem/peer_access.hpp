@@ -48,13 +48,13 @@
 #pragma once
 
 #include <cudamem/detail/cuda/quiet_device_scope.hpp>
+#include <cudamem/detail/sync/mutex.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
 
 #include <cuda_runtime_api.h>
 
 #include <map>
-#include <mutex>
 #include <source_location>
 #include <string>
 #include <utility>
@@ -109,7 +109,7 @@ class peer_access_registry {
 
   /// One more holder of (accessor, owner); enables access for the first. Strong guarantee.
   void acquire(int accessor, int owner) {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     const auto key = std::make_pair(accessor, owner);
     if (const auto found = pairs_.find(key); found != pairs_.end()) {
       ++found->second.holders;
@@ -144,7 +144,7 @@ class peer_access_registry {
 
   /// One holder fewer; the last restores the state found by the first.
   void release(int accessor, int owner) noexcept {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     const auto found = pairs_.find(std::make_pair(accessor, owner));
     if (found == pairs_.end()) {
       report_problem("peer_access: released a pair nobody holds");
@@ -169,12 +169,12 @@ class peer_access_registry {
 
   /// Live guards of (accessor, owner); and whether the first of them enabled access.
   [[nodiscard]] int holders(int accessor, int owner) const {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     const auto found = pairs_.find(std::make_pair(accessor, owner));
     return found == pairs_.end() ? 0 : found->second.holders;
   }
   [[nodiscard]] bool enabled_here(int accessor, int owner) const {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     const auto found = pairs_.find(std::make_pair(accessor, owner));
     return found != pairs_.end() && found->second.enabled_here;
   }
@@ -186,7 +186,7 @@ class peer_access_registry {
   };
   peer_access_registry() = default;
 
-  mutable std::mutex mutex_;
+  mutable detail::mutex mutex_;
   std::map<std::pair<int, int>, pair_state> pairs_;
 };
 

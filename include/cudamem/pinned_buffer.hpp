@@ -31,6 +31,7 @@
 
 #include <cudamem/detail/buffers/owned_block.hpp>
 #include <cudamem/detail/cuda/stream_ops.hpp>
+#include <cudamem/detail/host_range.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/pinned_resource.hpp>
 #include <cudamem/stream.hpp>
@@ -41,7 +42,6 @@
 #include <cstddef>
 #include <cstring>
 #include <limits>
-#include <ranges>
 #include <source_location>
 #include <stdexcept>
 #include <string>
@@ -99,9 +99,7 @@ class pinned_buffer {
   }
 
   /// A copy of the host range `host`.
-  template <std::ranges::contiguous_range Range>
-    requires std::ranges::sized_range<Range> &&
-             std::same_as<std::ranges::range_value_t<Range>, T>
+  template <detail::contiguous_range_of<T> Range>
   explicit pinned_buffer(const Range& host, stream_view stream = {},
                          memory_resource& mr = default_pinned_resource(),
                          std::source_location where = std::source_location::current())

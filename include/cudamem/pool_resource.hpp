@@ -94,7 +94,8 @@
 //                                   a thread always starts at its own shard
 // - detail/pool/stream_ledger.hpp   stream order: per-stream free counts, lazy events, tags,
 //                                   the waits each stream already made
-// - detail/pool/stream_events.hpp   the CUDA calls behind stream order (a host model for tests)
+// - detail/pool/stream_events.hpp   the CUDA calls behind stream order (host_stream_events.hpp:
+//                                   a host model of them, for tests)
 // - detail/pool/chunk_set.hpp       chunks from the upstream: growth, the out-of-memory
 //                                   fallbacks, release; which shard owns which chunk
 // - detail/pool/tlsf_heap.hpp, block_cache.hpp, address_map.hpp: the data structures
@@ -106,6 +107,8 @@
 #include <cudamem/detail/pool/chunk_set.hpp>
 #include <cudamem/detail/pool/pool_options.hpp>  // pool_options, pool_stream_stats
 #include <cudamem/detail/pool/pool_shard.hpp>
+#include <cudamem/detail/sync/mutex.hpp>
+#include <cudamem/detail/unique_owner.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
@@ -116,8 +119,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
-#include <mutex>
-#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -168,7 +169,7 @@ class pool_resource final : public memory_resource, private detail::stream_liste
       return;
     }
     for (auto& sh : shards_) {
-      const std::lock_guard lock(sh->mutex);
+      const detail::lock_guard lock(sh->mutex);
       sh->ledger.retire(s);
     }
   }
@@ -184,7 +185,7 @@ class pool_resource final : public memory_resource, private detail::stream_liste
       return recorded;
     }
     for (auto& sh : shards_) {
-      const std::lock_guard lock(sh->mutex);
+      const detail::lock_guard lock(sh->mutex);
       recorded += sh->ledger.cover_frees();
     }
     return recorded;
@@ -195,7 +196,7 @@ class pool_resource final : public memory_resource, private detail::stream_liste
   [[nodiscard]] pool_stream_stats stream_stats() const {
     detail::stream_counters c;
     for (const auto& sh : shards_) {
-      const std::lock_guard lock(sh->mutex);
+      const detail::lock_guard lock(sh->mutex);
       c.add(sh->ledger.counters());
     }
     const detail::chunk_set::counts chunks = chunks_.activity();
@@ -292,7 +293,7 @@ class pool_resource final : public memory_resource, private detail::stream_liste
                                                std::size_t size, std::size_t alignment,
                                                const stream_view* stream) {
     {
-      std::unique_lock lock(home.mutex, std::adopt_lock);
+      detail::unique_lock lock(home.mutex, detail::adopt_lock);
       if (void* p = home.hand_out_cached(policy_, b, size, alignment, stream)) {
         return p;
       }
@@ -313,7 +314,7 @@ class pool_resource final : public memory_resource, private detail::stream_liste
                                             std::size_t alignment, const stream_view* stream) {
     const detail::pool_tier t = policy_.tier_of(size);
     {
-      const std::lock_guard lock(home.mutex, std::adopt_lock);
+      const detail::lock_guard lock(home.mutex, detail::adopt_lock);
       if (void* p = home.take_flushing(policy_, t, size, alignment, stream)) {
         return p;
       }
@@ -416,7 +417,7 @@ class pool_resource final : public memory_resource, private detail::stream_liste
 
   [[gnu::noinline]] void finish_free_slow(shard& sh, block* b, std::size_t bytes,
                                           const stream_view* stream) noexcept {
-    const std::lock_guard lock(sh.mutex, std::adopt_lock);
+    const detail::lock_guard lock(sh.mutex, detail::adopt_lock);
     sh.free_block(policy_, b, bytes, stream);
   }
 
@@ -449,7 +450,7 @@ class pool_resource final : public memory_resource, private detail::stream_liste
   resource_stats do_stats() const override {
     resource_stats s;
     for (const auto& sh : shards_) {
-      const std::lock_guard lock(sh->mutex);
+      const detail::lock_guard lock(sh->mutex);
       sh->add_stats(s);
     }
     return s;
@@ -457,7 +458,7 @@ class pool_resource final : public memory_resource, private detail::stream_liste
 
   pool_options options_;
   detail::pool_policy policy_;
-  std::vector<std::unique_ptr<shard>> shards_;
+  std::vector<detail::unique_owner<shard>> shards_;
   mutable detail::chunk_set chunks_;  // mutable: upstream() hands out a non-const resource
 };
 

@@ -25,11 +25,11 @@
 #pragma once
 
 #include <cudamem/detail/adaptors/adaptor_base.hpp>
+#include <cudamem/detail/sync/atomic.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <cstddef>
 #include <functional>
 #include <stdexcept>
@@ -56,11 +56,11 @@ class retry_adaptor final : public detail::adaptor_base<retry_adaptor> {
   [[nodiscard]] int max_retries() const noexcept { return max_retries_; }
   /// Retries made so far, over all requests.
   [[nodiscard]] std::size_t retries() const noexcept {
-    return retries_.load(std::memory_order_relaxed);
+    return retries_.load(detail::memory_order_relaxed);
   }
   /// Requests that succeeded after at least one retry.
   [[nodiscard]] std::size_t recoveries() const noexcept {
-    return recoveries_.load(std::memory_order_relaxed);
+    return recoveries_.load(detail::memory_order_relaxed);
   }
 
  private:
@@ -71,9 +71,9 @@ class retry_adaptor final : public detail::adaptor_base<retry_adaptor> {
       try {
         void* p = forward_allocate(bytes, alignment, stream);
         if (attempt > 0) {
-          recoveries_.fetch_add(1, std::memory_order_relaxed);
+          recoveries_.fetch_add(1, detail::memory_order_relaxed);
         }
-        used_.fetch_add(bytes, std::memory_order_relaxed);
+        used_.fetch_add(bytes, detail::memory_order_relaxed);
         return p;
       } catch (const out_of_memory& error) {
         // The callback runs inside the handler so it can read the report; it holds no lock.
@@ -81,28 +81,28 @@ class retry_adaptor final : public detail::adaptor_base<retry_adaptor> {
           throw;
         }
       }
-      retries_.fetch_add(1, std::memory_order_relaxed);
+      retries_.fetch_add(1, detail::memory_order_relaxed);
     }
   }
 
   void adapt_deallocate(void* p, std::size_t bytes, std::size_t alignment,
                         detail::request_stream stream) noexcept {
     forward_deallocate(p, bytes, alignment, stream);
-    used_.fetch_sub(bytes, std::memory_order_relaxed);
+    used_.fetch_sub(bytes, detail::memory_order_relaxed);
   }
 
   std::string_view do_name() const noexcept override { return "retry_adaptor"; }
   resource_stats do_stats() const override {
     resource_stats s;
-    s.reserved_bytes = s.used_bytes = used_.load(std::memory_order_relaxed);
+    s.reserved_bytes = s.used_bytes = used_.load(detail::memory_order_relaxed);
     return s;
   }
 
   callback on_out_of_memory_;
   int max_retries_;
-  std::atomic<std::size_t> retries_{0};
-  std::atomic<std::size_t> recoveries_{0};
-  std::atomic<std::size_t> used_{0};
+  detail::atomic<std::size_t> retries_{0};
+  detail::atomic<std::size_t> recoveries_{0};
+  detail::atomic<std::size_t> used_{0};
 };
 
 }  // namespace cudamem

@@ -36,18 +36,18 @@
 #pragma once
 
 #include <cudamem/detail/held_ahead.hpp>
+#include <cudamem/detail/sync/atomic.hpp>
+#include <cudamem/detail/sync/mutex.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 
-#include <atomic>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
 #include <map>
-#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -94,12 +94,12 @@ class simulated_resource final : public memory_resource {
 
   /// Bytes handed out and not yet freed (rounded to the granularity).
   [[nodiscard]] std::size_t used_bytes() const {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     return used_;
   }
   /// The largest request that would succeed now.
   [[nodiscard]] std::size_t largest_free_range() const {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     if (options_.layout == simulated_layout::paged) {
       return options_.capacity - used_;
     }
@@ -111,7 +111,7 @@ class simulated_resource final : public memory_resource {
   }
   /// Number of separate free ranges (1 when nothing is allocated; first_fit layout).
   [[nodiscard]] std::size_t free_range_count() const {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     return free_ranges_.size();
   }
   /// Whether `p` lies in this device's address range (given out or not).
@@ -126,8 +126,8 @@ class simulated_resource final : public memory_resource {
   static constexpr std::uintptr_t address_range = std::uintptr_t{1} << 46;
 
   static std::uintptr_t next_base() noexcept {
-    static std::atomic<std::uintptr_t> instances{0};
-    const std::uintptr_t index = instances.fetch_add(1, std::memory_order_relaxed) % 4096;
+    static detail::atomic<std::uintptr_t> instances{0};
+    const std::uintptr_t index = instances.fetch_add(1, detail::memory_order_relaxed) % 4096;
     return (std::uintptr_t{1} << 62) + index * address_range;
   }
 
@@ -146,7 +146,7 @@ class simulated_resource final : public memory_resource {
     }
     const std::size_t size = (bytes + g - 1) & ~(g - 1);
     const std::size_t align = alignment > g ? alignment : g;
-    std::unique_lock lock(mutex_);
+    detail::unique_lock lock(mutex_);
     std::uintptr_t address = take(size, align);
     if (address == 0) {
       // As a real device's resources do: memory vm_resources hold ahead of need on this
@@ -184,7 +184,7 @@ class simulated_resource final : public memory_resource {
     const auto address = reinterpret_cast<std::uintptr_t>(p);
     const std::size_t g = options_.granularity;
     const std::size_t size = (bytes + g - 1) & ~(g - 1);
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     const auto it = live_.find(address);
     if (it == live_.end()) {
       report_problem("simulated_resource: deallocate of a pointer it did not give out (or a "
@@ -277,7 +277,7 @@ class simulated_resource final : public memory_resource {
   }
 
   resource_stats do_stats() const override {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     resource_stats s;
     s.reserved_bytes = used_;
     s.used_bytes = used_;
@@ -290,7 +290,7 @@ class simulated_resource final : public memory_resource {
 
   simulated_options options_;
   std::uintptr_t base_;
-  mutable std::mutex mutex_;
+  mutable detail::mutex mutex_;
   std::map<std::uintptr_t, std::size_t> free_ranges_;      ///< start -> length (first_fit)
   std::unordered_map<std::uintptr_t, std::size_t> live_;  ///< start -> rounded length
   std::uintptr_t paged_next_ = 0;                         ///< offset of the next fresh address

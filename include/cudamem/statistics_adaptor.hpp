@@ -54,15 +54,15 @@
 
 #include <cudamem/detail/adaptors/adaptor_base.hpp>
 #include <cudamem/detail/adaptors/bytes_in_use.hpp>
+#include <cudamem/detail/sync/atomic.hpp>
+#include <cudamem/detail/sync/mutex.hpp>
 #include <cudamem/memory_resource.hpp>
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string_view>
 #include <thread>
 #include <vector>
@@ -99,12 +99,12 @@ namespace detail {
 /// it (plain load + store, no locked instruction) unless `shared` is set, when every thread
 /// without a slot of its own adds to it atomically.
 struct alignas(64) counter_slot {
-  std::atomic<std::thread::id> owner{};  // default id: free
+  detail::atomic<std::thread::id> owner{};  // default id: free
   bool shared = false;
-  std::atomic<std::size_t> allocated_bytes{0};
-  std::atomic<std::size_t> freed_bytes{0};
-  std::atomic<std::size_t> allocations{0};
-  std::atomic<std::size_t> deallocations{0};
+  detail::atomic<std::size_t> allocated_bytes{0};
+  detail::atomic<std::size_t> freed_bytes{0};
+  detail::atomic<std::size_t> allocations{0};
+  detail::atomic<std::size_t> deallocations{0};
   usage_part usage;  // this thread's bytes in use (see bytes_in_use.hpp)
 
   void count_allocation(std::size_t bytes) noexcept {
@@ -129,8 +129,8 @@ inline thread_local counter_slot_cache this_thread_counter_slots;
 
 /// A process-wide unique id for each statistics_adaptor (never 0).
 inline std::uint64_t next_statistics_adaptor_id() noexcept {
-  static std::atomic<std::uint64_t> next{1};
-  return next.fetch_add(1, std::memory_order_relaxed);
+  static detail::atomic<std::uint64_t> next{1};
+  return next.fetch_add(1, detail::memory_order_relaxed);
 }
 
 }  // namespace detail
@@ -156,10 +156,10 @@ class statistics_adaptor final : public detail::adaptor_base<statistics_adaptor>
     std::size_t sum_of_most = 0;
     for (std::size_t i = 0; i <= thread_slots; ++i) {
       const detail::counter_slot& slot = slots_[i];
-      c.allocated_bytes += slot.allocated_bytes.load(std::memory_order_relaxed);
-      c.freed_bytes += slot.freed_bytes.load(std::memory_order_relaxed);
-      c.allocations += slot.allocations.load(std::memory_order_relaxed);
-      c.deallocations += slot.deallocations.load(std::memory_order_relaxed);
+      c.allocated_bytes += slot.allocated_bytes.load(detail::memory_order_relaxed);
+      c.freed_bytes += slot.freed_bytes.load(detail::memory_order_relaxed);
+      c.allocations += slot.allocations.load(detail::memory_order_relaxed);
+      c.deallocations += slot.deallocations.load(detail::memory_order_relaxed);
       c.current_bytes += slot.usage.balance();  // two's complement: a negative part subtracts
       sum_of_most += slot.usage.most();
     }
@@ -178,22 +178,22 @@ class statistics_adaptor final : public detail::adaptor_base<statistics_adaptor>
   class scope {
    public:
     explicit scope(statistics_adaptor& adaptor) : adaptor_(&adaptor) {
-      const std::lock_guard lock(adaptor.scopes_mutex_);
+      const detail::lock_guard lock(adaptor.scopes_mutex_);
       start_ = adaptor.counters();
       adaptor.open_scopes_.push_back(this);
-      adaptor.any_scope_open_.store(true, std::memory_order_relaxed);
+      adaptor.any_scope_open_.store(true, detail::memory_order_relaxed);
     }
     ~scope() {
-      const std::lock_guard lock(adaptor_->scopes_mutex_);
+      const detail::lock_guard lock(adaptor_->scopes_mutex_);
       std::erase(adaptor_->open_scopes_, this);
-      adaptor_->any_scope_open_.store(!adaptor_->open_scopes_.empty(), std::memory_order_relaxed);
+      adaptor_->any_scope_open_.store(!adaptor_->open_scopes_.empty(), detail::memory_order_relaxed);
     }
     scope(const scope&) = delete;
     scope& operator=(const scope&) = delete;
 
     /// What passed through the adaptor since this scope opened.
     [[nodiscard]] allocation_counters counters() const {
-      const std::lock_guard lock(adaptor_->scopes_mutex_);
+      const detail::lock_guard lock(adaptor_->scopes_mutex_);
       const allocation_counters now = adaptor_->counters();
       allocation_counters c;
       c.allocated_bytes = now.allocated_bytes - start_.allocated_bytes;
@@ -243,13 +243,13 @@ class statistics_adaptor final : public detail::adaptor_base<statistics_adaptor>
     } else {
       usage_.add_shared(slot.usage, delta);
     }
-    if (any_scope_open_.load(std::memory_order_relaxed)) [[unlikely]] {
+    if (any_scope_open_.load(detail::memory_order_relaxed)) [[unlikely]] {
       count_in_scopes(delta);
     }
   }
 
   [[gnu::noinline]] void count_in_scopes(std::size_t delta) {
-    const std::lock_guard lock(scopes_mutex_);
+    const detail::lock_guard lock(scopes_mutex_);
     for (scope* s : open_scopes_) {
       s->change_ += delta;
       if (detail::as_signed(s->change_) > detail::as_signed(s->highest_change_)) {
@@ -289,13 +289,13 @@ class statistics_adaptor final : public detail::adaptor_base<statistics_adaptor>
   detail::counter_slot* claim_slot() noexcept {
     const std::thread::id me = std::this_thread::get_id();
     for (std::size_t i = 0; i < thread_slots; ++i) {
-      if (slots_[i].owner.load(std::memory_order_relaxed) == me) {
+      if (slots_[i].owner.load(detail::memory_order_relaxed) == me) {
         return &slots_[i];
       }
     }
     for (std::size_t i = 0; i < thread_slots; ++i) {
       std::thread::id free{};
-      if (slots_[i].owner.compare_exchange_strong(free, me, std::memory_order_relaxed)) {
+      if (slots_[i].owner.compare_exchange_strong(free, me, detail::memory_order_relaxed)) {
         usage_.activate(slots_[i].usage);  // a new part of the bytes in use, once per slot
         return &slots_[i];
       }
@@ -316,8 +316,8 @@ class statistics_adaptor final : public detail::adaptor_base<statistics_adaptor>
   std::unique_ptr<detail::counter_slot[]> slots_;  // thread_slots own, then the shared one
   detail::bytes_in_use usage_;                     // the peak's shared side
 
-  std::atomic<bool> any_scope_open_{false};
-  mutable std::mutex scopes_mutex_;
+  detail::atomic<bool> any_scope_open_{false};
+  mutable detail::mutex scopes_mutex_;
   std::vector<scope*> open_scopes_;  // guarded by scopes_mutex_
 };
 

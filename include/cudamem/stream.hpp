@@ -28,14 +28,13 @@
 #pragma once
 
 #include <cudamem/detail/cuda/quiet_device_scope.hpp>
+#include <cudamem/detail/sync/mutex.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
 
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <concepts>
-#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -116,7 +115,7 @@ class stream_listener {
 /// The registry of listeners. Never destroyed, so that a stream in a static object can still
 /// consult it during static destruction.
 struct stream_listener_registry {
-  std::mutex mutex;
+  detail::mutex mutex;
   std::vector<stream_listener*> listeners;
 
   static stream_listener_registry& instance() {
@@ -124,21 +123,21 @@ struct stream_listener_registry {
     return *registry;
   }
   void add(stream_listener* l) {
-    const std::lock_guard lock(mutex);
+    const detail::lock_guard lock(mutex);
     listeners.push_back(l);
   }
   void remove(stream_listener* l) noexcept {
-    const std::lock_guard lock(mutex);
-    listeners.erase(std::remove(listeners.begin(), listeners.end(), l), listeners.end());
+    const detail::lock_guard lock(mutex);
+    std::erase(listeners, l);
   }
   void notify(cudaStream_t handle) noexcept {
-    const std::lock_guard lock(mutex);
+    const detail::lock_guard lock(mutex);
     for (stream_listener* l : listeners) {
       l->on_stream_destroy(handle);
     }
   }
   void notify_before_graph_capture() noexcept {
-    const std::lock_guard lock(mutex);
+    const detail::lock_guard lock(mutex);
     for (stream_listener* l : listeners) {
       l->before_graph_capture();
     }

@@ -88,19 +88,18 @@
 #include <cudamem/detail/adaptors/bytes_in_use.hpp>
 #include <cudamem/detail/adaptors/leak_report.hpp>
 #include <cudamem/detail/adaptors/owner_bias.hpp>
+#include <cudamem/detail/sync/atomic.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <bit>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <source_location>
 #include <string>
@@ -190,7 +189,7 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
 
   /// How many bad frees (stray pointer, double free, size mismatch) have been reported.
   [[nodiscard]] std::size_t bad_frees() const noexcept {
-    return bad_frees_.load(std::memory_order_relaxed);
+    return bad_frees_.load(detail::memory_order_relaxed);
   }
 
   /// Reports each live allocation through the error handler, its call site as the location.
@@ -376,7 +375,7 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
                                          std::size_t bytes, std::size_t alignment,
                                          detail::release_result found) const noexcept {
     using detail::release_result;
-    bad_frees_.fetch_add(1, std::memory_order_relaxed);
+    bad_frees_.fetch_add(1, detail::memory_order_relaxed);
     std::optional<detail::tracked_allocation> entry;
     {
       const detail::biased_lock_guard guard(bias_, shard.mutex());
@@ -484,7 +483,7 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
   detail::tick_calibration clock_;  // construction time, in both clocks
   detail::allocation_table table_;   // the live allocations and the recent frees
   detail::bytes_in_use usage_;       // the peak's shared side (the parts are in the shards)
-  mutable std::atomic<std::size_t> bad_frees_{0};  // rare: a bad free
+  mutable detail::atomic<std::size_t> bad_frees_{0};  // rare: a bad free
 };
 
 }  // namespace cudamem

@@ -116,6 +116,7 @@
 #pragma once
 
 #include <cudamem/detail/nvtx.hpp>
+#include <cudamem/detail/sync/atomic.hpp>
 #include <cudamem/detail/vm/driver_mapping.hpp>
 #include <cudamem/detail/vm/large_blocks.hpp>
 #include <cudamem/detail/vm/pool_options.hpp>
@@ -129,7 +130,6 @@
 #include <cudamem/vm_resource.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -203,7 +203,7 @@ class vm_pool_resource final : public memory_resource {
     }
     s.large_used_bytes = large_blocks_.used_bytes();
     s.large_peak_bytes = large_blocks_.peak_bytes();
-    s.bulk_declined = bulk_declined_.load(std::memory_order_relaxed);
+    s.bulk_declined = bulk_declined_.load(detail::memory_order_relaxed);
     const resource_stats p = pool_.stats();
     s.pool_used_bytes = p.used_bytes;
     s.pool_free_bytes = p.free_bytes();
@@ -350,7 +350,7 @@ class vm_pool_resource final : public memory_resource {
         p = ask(*bulk_);
       } catch (const out_of_memory&) {
         bulk = false;
-        bulk_declined_.fetch_add(1, std::memory_order_relaxed);
+        bulk_declined_.fetch_add(1, detail::memory_order_relaxed);
       }
     }
     if (p == nullptr) {
@@ -430,7 +430,7 @@ class vm_pool_resource final : public memory_resource {
   pool_resource pool_;
   std::size_t large_;  ///< blocks of this many bytes or more are the upstream's (a handle)
   detail::large_block_ledger large_blocks_;  ///< the blocks of `large_` bytes or more
-  std::atomic<std::size_t> bulk_declined_{0};  ///< vm_pool_stats::bulk_declined
+  detail::atomic<std::size_t> bulk_declined_{0};  ///< vm_pool_stats::bulk_declined
 };
 
 }  // namespace cudamem

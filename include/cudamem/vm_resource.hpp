@@ -36,8 +36,8 @@
 //                                ahead that gives way (members of the compactor)
 // - detail/vm/growth_thread.hpp  the thread that makes those batches while the callers work
 //                                (grow_ahead_bytes: a quarter of what is held, up to 4 GiB)
-// - detail/vm/mapping.hpp, driver_mapping.hpp  the device behind one interface (the driver's
-//                                cuMem* calls, or a simulated device for GPU-free tests)
+// - detail/vm/mapping.hpp        the device behind one interface: driver_mapping.hpp (cuMem*),
+//                                simulated_mapping.hpp (for tests, with no GPU)
 // - detail/vm/options.hpp, config.hpp  vm_resource_options and vm_resource_stats, and the
 //                                sizes resolved from the options
 // What a move costs, measured (bench_vmm_driver): cuMemMap ~1 µs, and cuMemSetAccess ~23-40 µs
@@ -110,6 +110,7 @@
 #pragma once
 
 #include <cudamem/detail/held_ahead.hpp>
+#include <cudamem/detail/sync/mutex.hpp>
 #include <cudamem/detail/vm/address_space.hpp>
 #include <cudamem/detail/vm/compactor.hpp>
 #include <cudamem/detail/vm/config.hpp>
@@ -136,7 +137,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <source_location>
 #include <stdexcept>
@@ -147,7 +147,9 @@
 namespace cudamem {
 
 /// Device memory over a virtual address range; see the contract above.
-class vm_resource final : public memory_resource, private detail::held_ahead_holder {
+class vm_resource final : public memory_resource,
+                          private detail::held_ahead_holder,
+                          private detail::growth_work {
  public:
   /// Memory on `device` (the current device by default).
   explicit vm_resource(int device = -1, vm_resource_options options = {},
@@ -169,13 +171,8 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
         grow_ahead_bytes_(options_.grow_ahead_bytes.value_or(
             layer_->device() >= 0 ? default_grow_ahead_bytes : 0)) {
     if (grow_ahead_bytes_ != 0) {
-      ahead_ = std::make_unique<detail::growth_thread>(
-          mutex_, [this](std::unique_lock<std::mutex>& lock) { return grow_ahead(lock); },
-          [device = layer_->device()] {
-            if (device >= 0) {  // the driver's cuMem* calls need the device's context current
-              check(cudaSetDevice(device), "vm_resource: cudaSetDevice on the growth thread");
-            }
-          });
+      auto& work = static_cast<detail::growth_work&>(*this);  // a private base
+      ahead_ = std::make_unique<detail::growth_thread>(mutex_, work);
     }
     // Last, so that a constructor that throws leaves no registration behind.
     detail::held_ahead_registry::instance().add(this, layer_->domain());
@@ -186,7 +183,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
     if (ahead_) {
       ahead_->stop();  // its batch in flight is published first, then released below
     }
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     if (blocks_.count() != 0) {
       report_problem("vm_resource destroyed with " + std::to_string(blocks_.count()) +
                      " range(s) (" + format_bytes(blocks_.used_bytes()) +
@@ -201,7 +198,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
   /// Gives back every wholly free handle and every stale alias, after waiting on the host for
   /// all recorded frees; returns the physical bytes given back. See the contract.
   std::size_t release() {
-    std::unique_lock lock(mutex_);
+    detail::unique_lock lock(mutex_);
     if (ahead_) {
       ahead_->cancel(lock);  // what is made ahead is given back too, and not made again at once
       ahead_->wait_step(lock);
@@ -215,7 +212,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
   /// grows for a request of its own. What another resource of the process does by itself
   /// before it fails for lack of device memory (see the contract). Returns the bytes.
   std::size_t trim() {
-    std::unique_lock lock(mutex_);
+    detail::unique_lock lock(mutex_);
     if (ahead_) {
       ahead_->cancel(lock);
       ahead_->wait_step(lock);
@@ -226,7 +223,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
   /// Blocks until no growth ahead is asked for or under way (grow_ahead_bytes; for tests and
   /// benchmarks that read the device's state). Returns at once without it.
   void wait_for_growth() const {
-    std::unique_lock lock(mutex_);
+    detail::unique_lock lock(mutex_);
     if (ahead_) {
       ahead_->wait_idle(lock);
     }
@@ -234,19 +231,19 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
 
   /// What it holds, in virtual-memory terms (walks the free ranges: not for hot loops).
   [[nodiscard]] vm_resource_stats vm_stats() const {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     return detail::collect_vm_stats(config_, space_, handles_, blocks_, free_, compactor_);
   }
 
   /// Starts vm_stats().peak_mapped_bytes again from now.
   void reset_peak_mapped() {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     handles_.mapped_bytes.reset_peak();
   }
 
   /// What is mapped now: ranges of adjacent handles, (start, bytes) by address.
   [[nodiscard]] std::vector<std::pair<std::uintptr_t, std::size_t>> mapped_ranges() const {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     return handles_.ranges();
   }
 
@@ -259,14 +256,14 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
   /// contract. Throws std::invalid_argument unless the resource is exportable and `p` starts
   /// a block it gave out and has not freed.
   [[nodiscard]] vm_block_handles block_handles(const void* p) const {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     require_exportable("block_handles");
     return blocks_.handles_of(reinterpret_cast<std::uintptr_t>(p));
   }
 
   /// The handles under [p, p + bytes) of mapped memory; std::invalid_argument otherwise.
   [[nodiscard]] vm_block_handles handles_covering(const void* p, std::size_t bytes) const {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     require_exportable("handles_covering");
     return blocks_.handles_covering(reinterpret_cast<std::uintptr_t>(p), bytes);
   }
@@ -274,7 +271,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
   /// Peer access for virtual memory (cudaDeviceEnablePeerAccess covers cudaMalloc'd only).
   void add_peer(int device) {
     layer_->add_peer(device);  // growth from now on maps with the peer's access
-    std::unique_lock lock(mutex_);
+    detail::unique_lock lock(mutex_);
     if (ahead_) {
       ahead_->wait_idle(lock);  // a batch mapped before the peer was added is adopted by now
     }
@@ -337,7 +334,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
   bool do_is_equal(const memory_resource& other) const noexcept override { return this == &other; }
   std::string_view do_name() const noexcept override { return "vm_resource"; }
   resource_stats do_stats() const override {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     resource_stats s;
     s.reserved_bytes = handles_.mapped_bytes;
     s.used_bytes = blocks_.used_bytes();
@@ -369,7 +366,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
                                detail::vm_request::whole_handles(size, alignment, config_.handle,
                                                                  granule),
                                granule};
-    std::unique_lock lock(mutex_);
+    detail::unique_lock lock(mutex_);
     if (void* p = blocks_.take_fit(r, bytes, stream, sync, mark)) {
       return grew_ahead(lock, p);
     }
@@ -418,16 +415,21 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
   }
 
   /// After an allocation (`p`): wakes the growth thread when too little is left mapped ahead.
-  void* grew_ahead(std::unique_lock<std::mutex>& lock, void* p) {
+  void* grew_ahead(detail::unique_lock<detail::mutex>& lock, void* p) {
     if (ahead_ && !ahead_->stepping() && compactor_.wants_ahead(grow_ahead_bytes_)) {
       ahead_->wake(lock);
     }
     return p;
   }
 
-  /// One step of the growth thread (detail/vm/growth_thread.hpp): a batch planned under the
-  /// lock, made without it, published under it. True while more is wanted.
-  bool grow_ahead(std::unique_lock<std::mutex>& lock) {
+  void growth_thread_started() override {  // detail::growth_work: cuMem* needs the device
+    check(layer_->device() < 0 ? cudaSuccess : cudaSetDevice(layer_->device()),
+          "vm_resource: cudaSetDevice on the growth thread");
+  }
+
+  /// One step of the growth thread (detail::growth_work): a batch planned under the lock, made
+  /// without it, published under it. True while more is wanted.
+  bool growth_step(detail::unique_lock<detail::mutex>& lock) override {
     auto batch = compactor_.plan_ahead(grow_ahead_bytes_);
     if (!batch) {
       return false;
@@ -455,7 +457,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
   }
   [[nodiscard]] std::size_t bytes_held_ahead() const noexcept override {
     try {
-      const std::lock_guard lock(mutex_);
+      const detail::lock_guard lock(mutex_);
       return compactor_.tail_bytes();
     } catch (...) {
       return 0;
@@ -468,7 +470,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
                                            bool sync, std::optional<std::uint8_t> mark = {}) noexcept {
     const auto address = reinterpret_cast<std::uintptr_t>(p);
     try {
-      const std::lock_guard lock(mutex_);
+      const detail::lock_guard lock(mutex_);
       if (mark) {
         return blocks_.free_marked(address, bytes, stream, sync, *mark);
       }
@@ -485,7 +487,7 @@ class vm_resource final : public memory_resource, private detail::held_ahead_hol
   vm_resource_options options_;
   detail::vm_config config_;
 
-  mutable std::mutex mutex_;  ///< guards everything below
+  mutable detail::mutex mutex_;  ///< guards everything below
   detail::free_range_index free_;
   detail::handle_set handles_;
   detail::address_space space_;

@@ -2,14 +2,17 @@
 // host memory that claims to be device memory, so the host can read what the views address),
 // and cudamem resources as cuda::mr resource_refs.
 //
-// The include order is the test of cccl_resource.hpp's guard: cudamem.hpp comes first, without
-// LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE (so cccl_resource.hpp declares nothing), the
-// macro is defined after it, and including cccl_resource.hpp again must then declare
-// everything (a `#pragma once` header would stay empty and this file would not compile).
+// The include order is the test of cccl_resource.hpp's guard: it comes first without
+// LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE (so it declares nothing), the macro is defined
+// after it, and including cccl_resource.hpp again must then declare everything (a `#pragma
+// once` header would stay empty and this file would not compile). The CCCL interop headers are
+// not in cudamem.hpp: a translation unit that uses them includes them.
 #include <cudamem/cudamem.hpp>
+#include <cudamem/cccl_resource.hpp>
 
 #define LIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE
 #include <cudamem/cccl_resource.hpp>
+#include <cudamem/cccl_span.hpp>  // not in cudamem.hpp: it brings libcu++
 
 #include "fake_device_memory.hpp"
 

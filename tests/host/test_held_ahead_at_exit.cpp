@@ -10,6 +10,7 @@
 // One test case in an executable of its own: the registry must first be used after the handler
 // is registered, so that, as an ordinary static, it would be destroyed before the handler runs.
 #include <cudamem/detail/held_ahead.hpp>
+#include <cudamem/detail/vm/simulated_mapping.hpp>
 #include <cudamem/vm_resource.hpp>
 
 #include <catch2/catch.hpp>

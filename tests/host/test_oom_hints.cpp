@@ -3,6 +3,7 @@
 // verdict; then every host resource kind asked about every verdict directly.
 #include <cudamem/arena_resource.hpp>
 #include <cudamem/detail/vm/mapping.hpp>
+#include <cudamem/detail/vm/simulated_mapping.hpp>
 #include <cudamem/failing_adaptor.hpp>
 #include <cudamem/host_resource.hpp>
 #include <cudamem/limiting_adaptor.hpp>

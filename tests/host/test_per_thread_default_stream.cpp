@@ -11,9 +11,10 @@
 // macro holds for everything in it, as it does for a whole program built that way.
 #define CUDA_API_PER_THREAD_DEFAULT_STREAM 1
 
-#include <cudamem/detail/pool/stream_events.hpp>
+#include <cudamem/detail/pool/host_stream_events.hpp>
 #include <cudamem/detail/stream_tag.hpp>
 #include <cudamem/detail/vm/mapping.hpp>
+#include <cudamem/detail/vm/simulated_mapping.hpp>
 #include <cudamem/pool_resource.hpp>
 #include <cudamem/simulated_resource.hpp>
 #include <cudamem/vm_resource.hpp>

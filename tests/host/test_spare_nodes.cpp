@@ -4,6 +4,7 @@
 // record before). This binary replaces the global operator new to count allocations, and to
 // fail one on purpose: an insert that cannot allocate changes nothing.
 #include <cudamem/detail/spare_nodes.hpp>
+#include <cudamem/detail/vm/simulated_mapping.hpp>
 #include <cudamem/vm_pool_resource.hpp>
 #include <cudamem/vm_resource.hpp>
 

@@ -3,6 +3,7 @@
 // of whole handles, a small block inside a shared handle (with its offset), a block over
 // handles created in two growths, and the bad input: a resource not made exportable, a
 // pointer it never gave, one inside a block, one already freed.
+#include <cudamem/detail/vm/simulated_mapping.hpp>
 #include <cudamem/vm_resource.hpp>
 
 #include <catch2/catch.hpp>

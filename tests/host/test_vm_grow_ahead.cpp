@@ -3,6 +3,7 @@
 // release), that its memory is the same memory a growth would have made (placement, access,
 // the fraction of the device a trace keeps live), failures on its thread, destruction while a
 // batch is in flight, and several allocating threads beside it.
+#include <cudamem/detail/vm/simulated_mapping.hpp>
 #include <cudamem/vm_pool_resource.hpp>
 #include <cudamem/vm_resource.hpp>
 

@@ -3,6 +3,7 @@
 // the GPU trace's 128 MiB requests in freed 64 MiB holes, free memory moving between the two
 // resources when the device is full, the bulk resource held above keep_free, failures that
 // leak nothing, bad input, and when there is no bulk resource at all.
+#include <cudamem/detail/vm/simulated_mapping.hpp>
 #include <cudamem/simulated_resource.hpp>
 #include <cudamem/statistics_adaptor.hpp>
 #include <cudamem/vm_pool_resource.hpp>

@@ -1,6 +1,7 @@
 // vm_pool_resource (a pool_resource over a vm_resource) over the simulated mapping layer (no
 // GPU): the composition's reports, swiss cheese and the bench's mixed trace on an 80 GiB
 // device, the physical limit, destruction, bad input, and a randomised run against a model.
+#include <cudamem/detail/vm/simulated_mapping.hpp>
 #include <cudamem/failing_adaptor.hpp>
 #include <cudamem/statistics_adaptor.hpp>
 #include <cudamem/vm_pool_resource.hpp>

@@ -2,6 +2,7 @@
 // placement, reuse without driver calls, compaction by recycling handles, stream ordering (and
 // never an unmap of memory still in flight), release, destruction, bad input, a failure
 // inside the layer, and a randomised run checked against a model.
+#include <cudamem/detail/vm/simulated_mapping.hpp>
 #include <cudamem/vm_resource.hpp>
 
 #include "captured_errors.hpp"

@@ -3,6 +3,7 @@
 // registration is undone exactly once, on every path (moves, failures of NCCL, of the upstream,
 // of the pool), and no memory goes back to the upstream while registered: a checking resource
 // under the adaptor looks at every free. Pools and vm_pools run over simulated devices.
+#include <cudamem/detail/vm/simulated_mapping.hpp>
 #include <cudamem/failing_adaptor.hpp>
 #include <cudamem/host_resource.hpp>
 #include <cudamem/nccl.hpp>

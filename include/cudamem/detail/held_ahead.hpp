@@ -34,11 +34,10 @@
 //   at once instead of locking the registry again.
 #pragma once
 
+#include <cudamem/detail/sync/mutex.hpp>
 #include <cudamem/detail/thread_flag_scope.hpp>
 
-#include <algorithm>
 #include <cstddef>
-#include <mutex>
 #include <new>
 #include <vector>
 
@@ -92,11 +91,11 @@ class held_ahead_registry {
   }
 
   void add(held_ahead_holder* holder, memory_domain domain) {
-    const std::lock_guard lock(mutex_);
+    const lock_guard lock(mutex_);
     holders_.push_back({holder, domain});
   }
   void remove(const held_ahead_holder* holder) noexcept {
-    const std::lock_guard lock(mutex_);
+    const lock_guard lock(mutex_);
     std::erase_if(holders_, [&](const entry& e) { return e.holder == holder; });
   }
 
@@ -105,7 +104,7 @@ class held_ahead_registry {
       return 0;
     }
     const no_give_back_scope inside;
-    const std::lock_guard lock(mutex_);
+    const lock_guard lock(mutex_);
     std::size_t given = 0;
     for (const entry& e : holders_) {
       if (e.domain == domain && e.holder != except) {
@@ -120,7 +119,7 @@ class held_ahead_registry {
       return 0;
     }
     const no_give_back_scope inside;
-    const std::lock_guard lock(mutex_);
+    const lock_guard lock(mutex_);
     std::size_t total = 0;
     for (const entry& e : holders_) {
       if (e.domain == domain) {
@@ -137,7 +136,7 @@ class held_ahead_registry {
     held_ahead_holder* holder;
     memory_domain domain;
   };
-  mutable std::mutex mutex_;
+  mutable mutex mutex_;
   std::vector<entry> holders_;
 };
 

@@ -16,32 +16,33 @@
 // Contract: BasicLockable and Lockable (lock, try_lock, unlock); not recursive; noexcept.
 #pragma once
 
-#include <atomic>
-#include <thread>
+#include <cudamem/detail/sync/atomic.hpp>
+#include <cudamem/detail/sync/thread.hpp>
+
 
 namespace cudamem::detail {
 
 class spin_lock {
  public:
   void lock() noexcept {
-    while (locked_.exchange(true, std::memory_order_acquire)) {
+    while (locked_.exchange(true, detail::memory_order_acquire)) {
       wait_until_free();
     }
   }
   [[nodiscard]] bool try_lock() noexcept {
-    return !locked_.load(std::memory_order_relaxed) &&
-           !locked_.exchange(true, std::memory_order_acquire);
+    return !locked_.load(detail::memory_order_relaxed) &&
+           !locked_.exchange(true, detail::memory_order_acquire);
   }
-  void unlock() noexcept { locked_.store(false, std::memory_order_release); }
+  void unlock() noexcept { locked_.store(false, detail::memory_order_release); }
 
  private:
   [[gnu::noinline]] void wait_until_free() const noexcept {  // out of line: lock() stays small
     constexpr unsigned spins_before_yield = 64;
-    for (unsigned spins = 0; locked_.load(std::memory_order_relaxed); ++spins) {
+    for (unsigned spins = 0; locked_.load(detail::memory_order_relaxed); ++spins) {
       if (spins < spins_before_yield) {
         cpu_relax();
       } else {
-        std::this_thread::yield();
+        detail::yield_thread();
       }
     }
   }
@@ -54,7 +55,7 @@ class spin_lock {
 #endif
   }
 
-  std::atomic<bool> locked_{false};
+  detail::atomic<bool> locked_{false};
 };
 
 }  // namespace cudamem::detail

@@ -37,9 +37,10 @@
 // The rule for handle 0 under `--default-stream per-thread` lives here and only here.
 #pragma once
 
+#include <cudamem/detail/sync/atomic.hpp>
+
 #include <cuda_runtime_api.h>
 
-#include <atomic>
 #include <cstdint>
 #include <limits>
 
@@ -59,9 +60,9 @@ inline constexpr std::uintptr_t thread_tag_bit = ~(std::numeric_limits<std::uint
 
 /// The calling thread's tag (see above): made on its first use, unique for the process's life.
 [[nodiscard]] inline cudaStream_t this_thread_stream_tag() noexcept {
-  static std::atomic<std::uintptr_t> threads_tagged{0};
+  static detail::atomic<std::uintptr_t> threads_tagged{0};
   thread_local const std::uintptr_t tag =
-      thread_tag_bit | threads_tagged.fetch_add(1, std::memory_order_relaxed);
+      thread_tag_bit | threads_tagged.fetch_add(1, detail::memory_order_relaxed);
   return reinterpret_cast<cudaStream_t>(tag);  // NOLINT: an identity, never dereferenced
 }
 

@@ -15,9 +15,9 @@
 // are statistics, read for reports, never to decide who owns memory.
 #pragma once
 
+#include <cudamem/detail/sync/atomic.hpp>
 #include <cudamem/memory_resource.hpp>
 
-#include <atomic>
 #include <cstddef>
 
 namespace cudamem::detail {
@@ -25,8 +25,8 @@ namespace cudamem::detail {
 /// Raises `peak` to at least `value` whoever else raises it at the same time.
 template <class Atomic, class Value>
 void raise_to(Atomic& peak, Value value) noexcept {
-  Value seen = peak.load(std::memory_order_relaxed);
-  while (value > seen && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+  Value seen = peak.load(memory_order_relaxed);
+  while (value > seen && !peak.compare_exchange_weak(seen, value, memory_order_relaxed)) {
   }
 }
 
@@ -34,11 +34,11 @@ void raise_to(Atomic& peak, Value value) noexcept {
 class usage_counter {
  public:
   void add(std::size_t bytes) noexcept {
-    raise_to(peak_, used_.fetch_add(bytes, std::memory_order_relaxed) + bytes);
+    raise_to(peak_, used_.fetch_add(bytes, memory_order_relaxed) + bytes);
   }
-  void subtract(std::size_t bytes) noexcept { used_.fetch_sub(bytes, std::memory_order_relaxed); }
-  [[nodiscard]] std::size_t used() const noexcept { return used_.load(std::memory_order_relaxed); }
-  [[nodiscard]] std::size_t peak() const noexcept { return peak_.load(std::memory_order_relaxed); }
+  void subtract(std::size_t bytes) noexcept { used_.fetch_sub(bytes, memory_order_relaxed); }
+  [[nodiscard]] std::size_t used() const noexcept { return used_.load(memory_order_relaxed); }
+  [[nodiscard]] std::size_t peak() const noexcept { return peak_.load(memory_order_relaxed); }
 
   /// reserved == used: leaf resources hold exactly what they handed out.
   [[nodiscard]] resource_stats leaf_stats() const noexcept {
@@ -49,8 +49,8 @@ class usage_counter {
   }
 
  private:
-  std::atomic<std::size_t> used_{0};
-  std::atomic<std::size_t> peak_{0};
+  atomic<std::size_t> used_{0};
+  atomic<std::size_t> peak_{0};
 };
 
 }  // namespace cudamem::detail

@@ -38,11 +38,11 @@
 #include <cudamem/detail/adaptors/bytes_in_use.hpp>
 #include <cudamem/detail/adaptors/owner_bias.hpp>  // this_thread_token
 #include <cudamem/detail/spin_lock.hpp>
+#include <cudamem/detail/sync/atomic.hpp>
 #include <cudamem/stream.hpp>
 
 #include <array>
 #include <bit>
-#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -354,7 +354,7 @@ class allocation_table {
 
   allocation_table()
       : shards_(std::make_unique<allocation_shard[]>(shard_count)),
-        region_hints_(std::make_unique<std::atomic<std::uint8_t>[]>(hint_count)) {}
+        region_hints_(std::make_unique<detail::atomic<std::uint8_t>[]>(hint_count)) {}
 
   /// The calling thread's shard: where it records what it allocates.
   [[nodiscard]] allocation_shard& home_shard() const noexcept {
@@ -368,16 +368,16 @@ class allocation_table {
   /// The shard where a record near `p` (in the same 2 MiB) was last found by a free from
   /// another thread, or shard_count if none was. A hint only: the caller checks.
   [[nodiscard]] std::size_t hinted_shard(const void* p) const noexcept {
-    const std::uint8_t hint = region_hints_[region_of(p)].load(std::memory_order_relaxed);
+    const std::uint8_t hint = region_hints_[region_of(p)].load(detail::memory_order_relaxed);
     return hint == 0 ? shard_count : std::size_t{hint} - 1;
   }
   /// Remembers that the record of `p` was in shard `i` (see hinted_shard). Written only when
   /// it changes, so that hints read by many threads stay in their caches.
   void set_hint(const void* p, std::size_t i) const noexcept {
-    std::atomic<std::uint8_t>& hint = region_hints_[region_of(p)];
+    detail::atomic<std::uint8_t>& hint = region_hints_[region_of(p)];
     const auto value = static_cast<std::uint8_t>(i + 1);
-    if (hint.load(std::memory_order_relaxed) != value) {
-      hint.store(value, std::memory_order_relaxed);
+    if (hint.load(detail::memory_order_relaxed) != value) {
+      hint.store(value, detail::memory_order_relaxed);
     }
   }
 
@@ -389,7 +389,7 @@ class allocation_table {
   }
 
   std::unique_ptr<allocation_shard[]> shards_;  // on the heap: 16 x (lock + 4 KiB ring)
-  std::unique_ptr<std::atomic<std::uint8_t>[]> region_hints_;  // shard + 1; 0: no hint
+  std::unique_ptr<detail::atomic<std::uint8_t>[]> region_hints_;  // shard + 1; 0: no hint
 };
 
 }  // namespace cudamem::detail

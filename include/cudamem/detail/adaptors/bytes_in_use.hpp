@@ -46,9 +46,9 @@
 #pragma once
 
 #include <cudamem/detail/adaptors/owner_bias.hpp>  // raise_to
+#include <cudamem/detail/sync/atomic.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -66,16 +66,16 @@ class usage_part {
  public:
   /// Bytes allocated minus bytes freed through this part (two's complement).
   [[nodiscard]] std::size_t balance() const noexcept {
-    return balance_.load(std::memory_order_relaxed);
+    return balance_.load(detail::memory_order_relaxed);
   }
   /// The most balance() has been (as a signed amount; 0 at least).
-  [[nodiscard]] std::size_t most() const noexcept { return most_.load(std::memory_order_relaxed); }
+  [[nodiscard]] std::size_t most() const noexcept { return most_.load(detail::memory_order_relaxed); }
   [[nodiscard]] bool active() const noexcept { return active_; }
 
  private:
   friend class bytes_in_use;
-  std::atomic<std::size_t> balance_{0};
-  std::atomic<std::size_t> most_{0};
+  detail::atomic<std::size_t> balance_{0};
+  detail::atomic<std::size_t> most_{0};
   std::size_t published_ = 0;  // the part of balance_ the shared total has heard of
   bool active_ = false;        // activate() has been called (the writer's own flag)
 };
@@ -95,16 +95,16 @@ class bytes_in_use {
     // Sequentially consistent, with publish(): of an activation and a publication racing,
     // at least one sees the other's write (the count, the total), so one of their raises
     // covers both. (On x86 these are the same instructions as relaxed ones.)
-    const std::size_t parts = parts_.fetch_add(1, std::memory_order_seq_cst) + 1;
-    raise_to(mark_, total_.load(std::memory_order_seq_cst) + parts * slack_);
+    const std::size_t parts = parts_.fetch_add(1, detail::memory_order_seq_cst) + 1;
+    raise_to(mark_, total_.load(detail::memory_order_seq_cst) + parts * slack_);
   }
 
   /// Adds `delta` (two's complement to subtract) to `part`, whose only writer the caller is.
   void add(usage_part& part, std::size_t delta) noexcept {
-    const std::size_t balance = part.balance_.load(std::memory_order_relaxed) + delta;
-    part.balance_.store(balance, std::memory_order_relaxed);
-    if (as_signed(balance) > as_signed(part.most_.load(std::memory_order_relaxed))) {
-      part.most_.store(balance, std::memory_order_relaxed);
+    const std::size_t balance = part.balance_.load(detail::memory_order_relaxed) + delta;
+    part.balance_.store(balance, detail::memory_order_relaxed);
+    if (as_signed(balance) > as_signed(part.most_.load(detail::memory_order_relaxed))) {
+      part.most_.store(balance, detail::memory_order_relaxed);
     }
     // |pending| >= slack, in one unsigned compare: pending + (slack - 1) lies in
     // [0, 2 slack - 2] exactly when -slack < pending < slack. (Slack 0: pending is the
@@ -120,28 +120,28 @@ class bytes_in_use {
   /// once: such a part never has pending bytes. (statistics_adaptor's slot for threads
   /// beyond its own slots.)
   void add_shared(usage_part& part, std::size_t delta) noexcept {
-    const std::size_t balance = part.balance_.fetch_add(delta, std::memory_order_relaxed) + delta;
-    std::size_t most = part.most_.load(std::memory_order_relaxed);
+    const std::size_t balance = part.balance_.fetch_add(delta, detail::memory_order_relaxed) + delta;
+    std::size_t most = part.most_.load(detail::memory_order_relaxed);
     while (as_signed(balance) > as_signed(most) &&
-           !part.most_.compare_exchange_weak(most, balance, std::memory_order_relaxed)) {
+           !part.most_.compare_exchange_weak(most, balance, detail::memory_order_relaxed)) {
     }
     publish(delta);
   }
 
   /// The peak (see the contract), given the sum of every part's most().
   [[nodiscard]] std::size_t peak(std::size_t sum_of_most) const noexcept {
-    return std::min(mark_.load(std::memory_order_relaxed), sum_of_most);
+    return std::min(mark_.load(detail::memory_order_relaxed), sum_of_most);
   }
 
   /// How far above the true peak peak() may be now: (2n - 1) x slack for n parts.
   [[nodiscard]] std::size_t peak_error_bound() const noexcept {
-    const std::size_t parts = parts_.load(std::memory_order_relaxed);
+    const std::size_t parts = parts_.load(detail::memory_order_relaxed);
     return parts <= 1 ? 0 : (2 * parts - 1) * slack_;
   }
 
   /// Parts activated so far.
   [[nodiscard]] std::size_t parts() const noexcept {
-    return parts_.load(std::memory_order_relaxed);
+    return parts_.load(detail::memory_order_relaxed);
   }
 
  private:
@@ -149,17 +149,17 @@ class bytes_in_use {
   /// part's pending bytes from now on. (The total may be "negative" for a moment, two's
   /// complement; total + parts x slack is not.)
   [[gnu::noinline]] void publish(std::size_t pending) noexcept {
-    const std::size_t total = total_.fetch_add(pending, std::memory_order_seq_cst) + pending;
-    raise_to(mark_, total + parts_.load(std::memory_order_seq_cst) * slack_);
+    const std::size_t total = total_.fetch_add(pending, detail::memory_order_seq_cst) + pending;
+    raise_to(mark_, total + parts_.load(detail::memory_order_seq_cst) * slack_);
   }
 
   const std::size_t slack_;
   const std::size_t offset_;  // slack - 1 (see add)
   const std::size_t span_;    // 2 slack - 2
   // The one line every part writes now and then: the published total, the mark, the count.
-  alignas(64) std::atomic<std::size_t> total_{0};
-  std::atomic<std::size_t> mark_{0};
-  std::atomic<std::size_t> parts_{0};
+  alignas(64) detail::atomic<std::size_t> total_{0};
+  detail::atomic<std::size_t> mark_{0};
+  detail::atomic<std::size_t> parts_{0};
 };
 
 }  // namespace cudamem::detail

@@ -40,12 +40,12 @@
 // included, at whatever point it had reached. Userspace RCU and folly use the same device.
 #pragma once
 
+#include <cudamem/detail/sync/atomic.hpp>
+#include <cudamem/detail/sync/mutex.hpp>
+#include <cudamem/detail/sync/thread.hpp>
 #include <cudamem/detail/usage_counter.hpp>  // raise_to
 
-#include <atomic>
 #include <cstdint>
-#include <mutex>
-#include <thread>
 
 #if defined(__linux__)
 #include <linux/membarrier.h>
@@ -58,10 +58,10 @@ namespace cudamem::detail {
 /// A number for the calling thread that no other thread of the process ever has, even after
 /// this one ends (a std::thread::id may be given to a new thread; an owner must not be).
 inline std::uint64_t this_thread_token() noexcept {
-  static std::atomic<std::uint64_t> next{1};
+  static detail::atomic<std::uint64_t> next{1};
   static thread_local std::uint64_t token = 0;  // constant-initialised: no guard to check
   if (token == 0) [[unlikely]] {
-    token = next.fetch_add(1, std::memory_order_relaxed);
+    token = next.fetch_add(1, detail::memory_order_relaxed);
   }
   return token;
 }
@@ -86,7 +86,7 @@ inline bool asymmetric_fence_available() noexcept {
 inline void fence_all_threads() noexcept {
 #if defined(__linux__) && defined(SYS_membarrier)
   while (syscall(SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) != 0) {
-    std::this_thread::yield();
+    detail::yield_thread();
   }
 #endif
 }
@@ -101,27 +101,27 @@ class owner_bias {
   /// guard until leave(). False: take the lock (and every thread does, from now on).
   bool enter() noexcept {
     const std::uint64_t me = this_thread_token();
-    if (owner_.load(std::memory_order_relaxed) == me) [[likely]] {
-      busy_.store(true, std::memory_order_relaxed);
+    if (owner_.load(detail::memory_order_relaxed) == me) [[likely]] {
+      busy_.store(true, detail::memory_order_relaxed);
       // Only the compiler is fenced here: the CPU's half is revoke()'s fence_all_threads().
-      std::atomic_signal_fence(std::memory_order_seq_cst);
-      if (owner_.load(std::memory_order_relaxed) == me) [[likely]] {
+      detail::atomic_signal_fence(detail::memory_order_seq_cst);
+      if (owner_.load(detail::memory_order_relaxed) == me) [[likely]] {
         return true;
       }
-      busy_.store(false, std::memory_order_release);  // revoked meanwhile: lock after all
+      busy_.store(false, detail::memory_order_release);  // revoked meanwhile: lock after all
     }
-    if (revoked_.load(std::memory_order_acquire)) [[likely]] {  // threads share it: lock
+    if (revoked_.load(detail::memory_order_acquire)) [[likely]] {  // threads share it: lock
       return false;
     }
     return enter_slow(me);
   }
 
   /// Ends what enter() began when it returned true.
-  void leave() noexcept { busy_.store(false, std::memory_order_release); }
+  void leave() noexcept { busy_.store(false, detail::memory_order_release); }
 
   /// Whether some thread owns this object now (false once revoked, or where no thread can).
   [[nodiscard]] bool owned() const noexcept {
-    const std::uint64_t owner = owner_.load(std::memory_order_relaxed);
+    const std::uint64_t owner = owner_.load(detail::memory_order_relaxed);
     return owner != unowned && owner != nobody;
   }
 
@@ -130,12 +130,12 @@ class owner_bias {
   static constexpr std::uint64_t nobody = ~std::uint64_t{0};  // revoked: everyone locks
 
   [[gnu::noinline]] bool enter_slow(std::uint64_t me) noexcept {
-    if (revoked_.load(std::memory_order_acquire)) {
+    if (revoked_.load(detail::memory_order_acquire)) {
       return false;
     }
     std::uint64_t expected = unowned;
     if (asymmetric_fence_available() &&
-        owner_.compare_exchange_strong(expected, me, std::memory_order_acquire)) {
+        owner_.compare_exchange_strong(expected, me, detail::memory_order_acquire)) {
       return enter();  // the first thread here: it owns from now on
     }
     revoke();
@@ -144,49 +144,49 @@ class owner_bias {
 
   /// Takes ownership away and waits until the owner is not working without the lock.
   [[gnu::noinline]] void revoke() noexcept {
-    const std::lock_guard lock(revoke_mutex_);  // a second revoker waits for the first
-    if (revoked_.load(std::memory_order_relaxed)) {
+    const detail::lock_guard lock(revoke_mutex_);  // a second revoker waits for the first
+    if (revoked_.load(detail::memory_order_relaxed)) {
       return;
     }
-    const std::uint64_t previous = owner_.exchange(nobody, std::memory_order_acq_rel);
+    const std::uint64_t previous = owner_.exchange(nobody, detail::memory_order_acq_rel);
     if (previous != unowned) {
       // The owner may be between raising busy_ and checking owner_: after this fence, either
       // its busy_ is visible here or its check sees `nobody`.
       fence_all_threads();
-      while (busy_.load(std::memory_order_acquire)) {  // its release: its writes are ours
-        std::this_thread::yield();
+      while (busy_.load(detail::memory_order_acquire)) {  // its release: its writes are ours
+        detail::yield_thread();
       }
     }
-    revoked_.store(true, std::memory_order_release);
+    revoked_.store(true, detail::memory_order_release);
   }
 
   // The owner reads owner_ and writes busy_ on every request: one line, its own.
-  alignas(64) std::atomic<std::uint64_t> owner_{unowned};
-  std::atomic<bool> busy_{false};
-  alignas(64) std::atomic<bool> revoked_{false};
-  std::mutex revoke_mutex_;
+  alignas(64) detail::atomic<std::uint64_t> owner_{unowned};
+  detail::atomic<bool> busy_{false};
+  alignas(64) detail::atomic<bool> revoked_{false};
+  detail::mutex revoke_mutex_;
 };
 
 /// Adds `delta` to `counter` (a negative delta in two's complement subtracts) and returns the
 /// sum: a plain load and store when the caller is the counter's only writer (it owns the bias
 /// and is inside enter()/leave()), an atomic add when threads share it.
 template <class T>
-T add_to_counter(std::atomic<T>& counter, T delta, bool sole_writer) noexcept {
+T add_to_counter(detail::atomic<T>& counter, T delta, bool sole_writer) noexcept {
   if (sole_writer) [[likely]] {
-    const T sum = counter.load(std::memory_order_relaxed) + delta;
-    counter.store(sum, std::memory_order_relaxed);
+    const T sum = counter.load(detail::memory_order_relaxed) + delta;
+    counter.store(sum, detail::memory_order_relaxed);
     return sum;
   }
-  return counter.fetch_add(delta, std::memory_order_relaxed) + delta;
+  return counter.fetch_add(delta, detail::memory_order_relaxed) + delta;
 }
 
 /// Raises `peak` to at least `value`, the same two ways as add_to_counter.
 template <class T>
-void raise_peak(std::atomic<T>& peak, T value, bool sole_writer) noexcept {
+void raise_peak(detail::atomic<T>& peak, T value, bool sole_writer) noexcept {
   if (!sole_writer) [[unlikely]] {
     raise_to(peak, value);
-  } else if (value > peak.load(std::memory_order_relaxed)) {
-    peak.store(value, std::memory_order_relaxed);
+  } else if (value > peak.load(detail::memory_order_relaxed)) {
+    peak.store(value, detail::memory_order_relaxed);
   }
 }
 

@@ -15,13 +15,11 @@
 //   served). `stop` must not run beside a `copy` (copy_stager stops them only when idle).
 #pragma once
 
-#include <algorithm>
-#include <condition_variable>
+#include <cudamem/detail/sync/mutex.hpp>
+#include <cudamem/detail/sync/thread.hpp>
+
 #include <cstddef>
 #include <cstring>
-#include <deque>
-#include <mutex>
-#include <thread>
 #include <vector>
 
 namespace cudamem::detail {
@@ -42,7 +40,8 @@ class memcpy_workers {
   void copy(void* dst, const void* src, std::size_t bytes, unsigned parts) noexcept {
     auto* to = static_cast<unsigned char*>(dst);
     const auto* from = static_cast<const unsigned char*>(src);
-    parts = static_cast<unsigned>(std::min<std::size_t>(parts, bytes / min_piece_bytes));
+    const std::size_t most = bytes / min_piece_bytes;
+    parts = static_cast<unsigned>(parts < most ? parts : most);
     if (parts <= 1 || !start(parts - 1)) {
       std::memcpy(to, from, bytes);
       return;
@@ -52,11 +51,11 @@ class memcpy_workers {
     batch mine;
     std::size_t handed_out = piece;  // the caller keeps [0, piece)
     {
-      const std::lock_guard lock{mutex_};
+      const detail::lock_guard lock{mutex_};
       try {
         for (; handed_out < bytes; handed_out += piece) {
           queue_.push_back({to + handed_out, from + handed_out,
-                            std::min(piece, bytes - handed_out), &mine});
+                            piece < bytes - handed_out ? piece : bytes - handed_out, &mine});
           ++mine.remaining;
           ++in_flight_;
         }
@@ -68,34 +67,34 @@ class memcpy_workers {
     if (handed_out < bytes) {
       std::memcpy(to + handed_out, from + handed_out, bytes - handed_out);
     }
-    std::unique_lock lock{mutex_};
+    detail::unique_lock lock{mutex_};
     piece_done_.wait(lock, [&] { return mine.remaining == 0; });
   }
 
   /// Joins the worker threads. Call only while no `copy` runs.
   void stop() noexcept {
     {
-      const std::lock_guard lock{mutex_};
+      const detail::lock_guard lock{mutex_};
       stopping_ = true;
     }
     work_ready_.notify_all();
-    for (std::thread& t : threads_) {
+    for (detail::thread& t : threads_) {
       t.join();
     }
     threads_.clear();
-    const std::lock_guard lock{mutex_};
+    const detail::lock_guard lock{mutex_};
     stopping_ = false;
   }
 
   /// Worker threads alive now.
   [[nodiscard]] unsigned threads() const noexcept {
-    const std::lock_guard lock{mutex_};
+    const detail::lock_guard lock{mutex_};
     return static_cast<unsigned>(threads_.size());
   }
 
   /// Pieces queued or being copied by a worker now (0 whenever no `copy` is running).
   [[nodiscard]] std::size_t pieces_in_flight() const noexcept {
-    const std::lock_guard lock{mutex_};
+    const detail::lock_guard lock{mutex_};
     return in_flight_;
   }
 
@@ -110,9 +109,30 @@ class memcpy_workers {
     batch* owner;
   };
 
+  /// First in, first out, over one vector: pieces are taken from `head_`, and the vector is
+  /// emptied (keeping its capacity) whenever all of them are taken, which happens at the end of
+  /// every copy. A std::deque would do the same, but costs every translation unit that
+  /// includes the stager its header.
+  class work_queue {
+   public:
+    void push_back(const piece_of_work& piece) { items_.push_back(piece); }
+    [[nodiscard]] bool empty() const noexcept { return head_ == items_.size(); }
+    [[nodiscard]] const piece_of_work& front() const noexcept { return items_[head_]; }
+    void pop_front() noexcept {
+      if (++head_ == items_.size()) {
+        items_.clear();
+        head_ = 0;
+      }
+    }
+
+   private:
+    std::vector<piece_of_work> items_;
+    std::size_t head_ = 0;
+  };
+
   /// Makes sure `wanted` workers run (fewer if threads cannot be started); false if none.
   bool start(unsigned wanted) noexcept {
-    const std::lock_guard lock{mutex_};
+    const detail::lock_guard lock{mutex_};
     try {
       while (threads_.size() < wanted) {
         threads_.emplace_back([this] { work(); });
@@ -123,7 +143,7 @@ class memcpy_workers {
   }
 
   void work() noexcept {
-    std::unique_lock lock{mutex_};
+    detail::unique_lock lock{mutex_};
     for (;;) {
       work_ready_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
       if (queue_.empty()) {
@@ -141,11 +161,11 @@ class memcpy_workers {
     }
   }
 
-  mutable std::mutex mutex_;
-  std::condition_variable work_ready_;
-  std::condition_variable piece_done_;
-  std::deque<piece_of_work> queue_;
-  std::vector<std::thread> threads_;
+  mutable detail::mutex mutex_;
+  detail::condition_variable work_ready_;
+  detail::condition_variable piece_done_;
+  work_queue queue_;
+  std::vector<detail::thread> threads_;
   std::size_t in_flight_ = 0;
   bool stopping_ = false;
 };

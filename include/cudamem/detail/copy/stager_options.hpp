@@ -10,12 +10,12 @@
 // chunks and its pipeline are there.
 #pragma once
 
-#include <algorithm>
+#include <cudamem/detail/sync/thread.hpp>
+
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
-#include <thread>
 
 namespace cudamem {
 
@@ -26,7 +26,8 @@ namespace cudamem {
 /// chunks); from the device 9.5 / 17.0 / 28.2 / 35.2 / 42.6. Half the cores leaves the others
 /// to the program; on a small machine the threads would only contend.
 [[nodiscard]] inline unsigned default_copy_threads() noexcept {
-  return std::clamp(std::thread::hardware_concurrency() / 2, 1u, 8u);
+  const unsigned half = detail::hardware_threads() / 2;
+  return half < 1u ? 1u : half > 8u ? 8u : half;
 }
 
 /// How a copy_stager stages; see the contract for the allowed ranges. The defaults are the
@@ -81,7 +82,8 @@ namespace detail {
 [[nodiscard]] inline std::size_t stage_bytes(std::size_t bytes, const copy_stager_options& o) {
   constexpr std::size_t smallest = std::size_t{256} << 10;
   const std::size_t even = (bytes / o.chunk_count + 4095) / 4096 * 4096;
-  return std::min(o.chunk_bytes, std::max(smallest, even));
+  const std::size_t stage = even > smallest ? even : smallest;
+  return stage < o.chunk_bytes ? stage : o.chunk_bytes;
 }
 
 }  // namespace detail

@@ -10,9 +10,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <cstddef>
-#include <cstring>
 
 namespace cudamem::detail {
 
@@ -69,7 +67,12 @@ inline void copy_bytes(void* dst, const void* src, std::size_t bytes, stream_vie
 inline bool single_byte_pattern(const void* value, std::size_t size, unsigned char& byte) noexcept {
   const auto* bytes = static_cast<const unsigned char*>(value);
   byte = bytes[0];
-  return std::all_of(bytes, bytes + size, [b = byte](unsigned char c) { return c == b; });
+  for (std::size_t i = 1; i < size; ++i) {
+    if (bytes[i] != byte) {
+      return false;
+    }
+  }
+  return true;
 }
 
 /// Stream-ordered fill of `count` copies of the `size`-byte `value` at device-accessible
@@ -91,7 +94,7 @@ inline void fill_bytes(void* dst, std::size_t count, const void* value, std::siz
   copy_bytes(out, value, size, stream);
   std::size_t filled = 1;
   while (filled < count) {
-    const std::size_t chunk = std::min(filled, count - filled);
+    const std::size_t chunk = filled < count - filled ? filled : count - filled;
     copy_bytes(out + filled * size, out, chunk * size, stream);
     filled += chunk;
   }

@@ -17,13 +17,13 @@
 puts it under site-packages/nvidia/nccl/include) and NCCL's library at link time"
 #endif
 
+#include <cudamem/detail/sync/mutex.hpp>
 #include <cudamem/error.hpp>
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include <cstddef>
-#include <mutex>
 #include <source_location>
 #include <stdexcept>
 #include <string>
@@ -54,8 +54,8 @@ struct nccl_calls {
 }
 
 /// cudamem's registration calls, one at a time in the whole process (see the contract).
-[[nodiscard]] inline std::mutex& nccl_registration_mutex() noexcept {
-  static std::mutex m;
+[[nodiscard]] inline detail::mutex& nccl_registration_mutex() noexcept {
+  static detail::mutex m;
   return m;
 }
 

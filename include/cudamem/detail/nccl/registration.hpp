@@ -12,13 +12,13 @@
 
 #include <cudamem/detail/nccl/calls.hpp>
 #include <cudamem/detail/report/figures.hpp>  // format_bytes
+#include <cudamem/detail/sync/mutex.hpp>
 #include <cudamem/error.hpp>
 
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
 #include <cstddef>
-#include <mutex>
 #include <source_location>
 #include <stdexcept>
 #include <string>
@@ -57,7 +57,7 @@ class nccl_registration {
     }
     int device = -1;
     detail::check_nccl_with(calls, calls.comm_device(comm, &device), "ncclCommCuDevice", where);
-    const std::lock_guard lock(detail::nccl_registration_mutex());
+    const detail::lock_guard lock(detail::nccl_registration_mutex());
     const detail::nccl_device_scope on{device};
     check(on.error(), "nccl_registration: making the communicator's device current", where);
     if (&calls == &detail::nccl_library_calls()) {  // a fake NCCL (tests) takes any memory
@@ -93,7 +93,7 @@ class nccl_registration {
     }
     ncclResult_t code = ncclSuccess;
     {
-      const std::lock_guard lock(detail::nccl_registration_mutex());
+      const detail::lock_guard lock(detail::nccl_registration_mutex());
       const detail::nccl_device_scope on{device_};
       report_error(on.error(), "nccl_registration: making the communicator's device current");
       // NCCL's handle may be null (registration switched off: NCCL_LOCAL_REGISTER=0); it

@@ -34,13 +34,12 @@
 //   Setting the environment variable CUDAMEM_NO_NVML (to anything) stops it being loaded.
 #pragma once
 
-#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <functional>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -129,8 +128,25 @@ struct api {
   bool v3_records_are_32_bytes = false;    // see the header's notes
 };
 
-/// Looks a symbol up by name (dlsym, or a test's table).
-using symbol_source = std::function<void*(const char*)>;
+/// Looks a symbol up by name (dlsym, or a test's table): any callable taking the name and
+/// returning its address, referred to (not copied) for the length of the call that takes it.
+/// (A reference to a function, not std::function, whose header is a second's compile time.)
+class symbol_source {
+ public:
+  template <class Lookup>
+    requires(!std::is_same_v<std::remove_cvref_t<Lookup>, symbol_source>) &&
+            std::is_invocable_r_v<void*, const Lookup&, const char*>
+  symbol_source(const Lookup& lookup) noexcept  // NOLINT: implicit, as std::function's
+      : target_(&lookup), call_([](const void* target, const char* name) -> void* {
+          return (*static_cast<const Lookup*>(target))(name);
+        }) {}
+
+  void* operator()(const char* name) const { return call_(target_, name); }
+
+ private:
+  const void* target_;
+  void* (*call_)(const void*, const char*);
+};
 
 /// An NVML that was found and initialised — or the reason it was not.
 class library {
@@ -265,14 +281,28 @@ inline unsigned int this_process_id() noexcept {
 
 namespace impl {
 
+/// Sorts `items` by `before`, keeping equal ones in order (a stable insertion sort): a device
+/// lists tens of processes, and std::sort's header is a measurable share of every translation
+/// unit's compile time.
+template <class T, class Before>
+void insertion_sort(std::vector<T>& items, Before before) {
+  for (std::size_t i = 1; i < items.size(); ++i) {
+    T moving = std::move(items[i]);
+    std::size_t j = i;
+    for (; j > 0 && before(moving, items[j - 1]); --j) {
+      items[j] = std::move(items[j - 1]);
+    }
+    items[j] = std::move(moving);
+  }
+}
+
 /// Reads one of the record arrays the running-process calls fill, whatever its stride.
 inline void collect(const unsigned char* records, std::size_t count, std::size_t stride,
                     std::vector<process_usage>& into) {
   for (std::size_t i = 0; i < count; ++i) {
     process_info_v1 r{};  // pid at offset 0, usedGpuMemory at 8, in every layout
-    std::copy_n(records + i * stride, sizeof(unsigned int), reinterpret_cast<unsigned char*>(&r.pid));
-    std::copy_n(records + i * stride + 8, sizeof(unsigned long long),
-                reinterpret_cast<unsigned char*>(&r.used_gpu_memory));
+    std::memcpy(&r.pid, records + i * stride, sizeof r.pid);
+    std::memcpy(&r.used_gpu_memory, records + i * stride + 8, sizeof r.used_gpu_memory);
     process_usage p;
     p.pid = r.pid;
     if (r.used_gpu_memory != value_not_available) {
@@ -297,7 +327,9 @@ inline result list_mode(const api& nvml, device_handle device, process_mode mode
                                      records.empty() ? nullptr : records.data()};
       const result r = nvml.running_process_detail_list(device, &request);
       if (r == success) {
-        const std::size_t count = std::min<std::size_t>(request.num_proc_array_entries, records.size());
+        const std::size_t count = request.num_proc_array_entries < records.size()
+                                      ? std::size_t{request.num_proc_array_entries}
+                                      : records.size();
         collect(reinterpret_cast<const unsigned char*>(records.data()), count,
                 sizeof(process_detail_v1), into);
         return success;
@@ -325,7 +357,8 @@ inline result list_mode(const api& nvml, device_handle device, process_mode mode
       const result r = call(device, &room, buffer.empty() ? nullptr : buffer.data());
       if (r == success) {
         const std::size_t fits = buffer.size() * sizeof(process_detail_v1) / stride;
-        collect(reinterpret_cast<const unsigned char*>(buffer.data()), std::min<std::size_t>(room, fits),
+        collect(reinterpret_cast<const unsigned char*>(buffer.data()),
+                std::size_t{room} < fits ? std::size_t{room} : fits,
                 stride, into);
         return success;
       }
@@ -407,7 +440,7 @@ inline device_processes list_processes(const library& nvml, const std::string& p
     return out;
   }
   // One entry per process, at the largest figure any list gave it.
-  std::sort(all.begin(), all.end(), [](const process_usage& a, const process_usage& b) {
+  impl::insertion_sort(all, [](const process_usage& a, const process_usage& b) {
     return a.pid != b.pid ? a.pid < b.pid : a.bytes.value_or(0) > b.bytes.value_or(0);
   });
   for (process_usage& p : all) {
@@ -416,8 +449,10 @@ inline device_processes list_processes(const library& nvml, const std::string& p
     }
     out.processes.push_back(std::move(p));
   }
-  const bool self_listed = std::any_of(out.processes.begin(), out.processes.end(),
-                                       [self](const process_usage& p) { return p.pid == self; });
+  bool self_listed = false;
+  for (const process_usage& p : out.processes) {
+    self_listed = self_listed || p.pid == self;
+  }
   if (!self_listed) {
     out.status = listing::hidden;
     out.reason = out.processes.empty()
@@ -432,10 +467,9 @@ inline device_processes list_processes(const library& nvml, const std::string& p
   for (process_usage& p : out.processes) {
     p.name = impl::process_name(fns, p.pid);
   }
-  std::stable_sort(out.processes.begin(), out.processes.end(),
-                   [](const process_usage& a, const process_usage& b) {
-                     return a.bytes.value_or(0) > b.bytes.value_or(0);
-                   });
+  impl::insertion_sort(out.processes, [](const process_usage& a, const process_usage& b) {
+    return a.bytes.value_or(0) > b.bytes.value_or(0);
+  });
   out.status = listing::listed;
   return out;
 }

@@ -12,10 +12,11 @@
 // Not thread-safe: the owner locks.
 #pragma once
 
+#include <cudamem/detail/unique_owner.hpp>
+
 #include <bit>
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 
 namespace cudamem::detail {
 
@@ -110,8 +111,8 @@ class address_map {
   }
 
   void rehash(std::size_t capacity) {
-    auto fresh = std::make_unique<slot[]>(capacity);
-    std::unique_ptr<slot[]> old = std::move(slots_);
+    auto fresh = detail::make_unique_owner<slot[]>(capacity);
+    detail::unique_owner<slot[]> old = std::move(slots_);
     const std::size_t old_capacity = capacity_;
     slots_ = std::move(fresh);
     capacity_ = capacity;
@@ -125,7 +126,7 @@ class address_map {
     }
   }
 
-  std::unique_ptr<slot[]> slots_;
+  detail::unique_owner<slot[]> slots_;
   std::size_t capacity_ = 0;
   std::size_t mask_ = 0;
   unsigned shift_ = 64;

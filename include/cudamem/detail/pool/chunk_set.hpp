@@ -30,20 +30,19 @@
 #include <cudamem/detail/held_bytes.hpp>
 #include <cudamem/detail/nvtx.hpp>
 #include <cudamem/detail/pool/pool_shard.hpp>
+#include <cudamem/detail/sync/atomic.hpp>
+#include <cudamem/detail/sync/mutex.hpp>
+#include <cudamem/detail/unique_owner.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
 #include <map>
-#include <memory>
-#include <mutex>
-#include <shared_mutex>
 #include <span>
 #include <string>
 #include <utility>
@@ -53,7 +52,7 @@ namespace cudamem::detail {
 
 class chunk_set {
  public:
-  using shard_list = std::span<const std::unique_ptr<pool_shard>>;
+  using shard_list = std::span<const detail::unique_owner<pool_shard>>;
 
   chunk_set(memory_resource& upstream, const pool_policy& policy) noexcept
       : upstream_(&upstream), policy_(&policy) {}
@@ -66,7 +65,7 @@ class chunk_set {
   [[gnu::noinline]] void annotate_block(void* p, std::size_t bytes) const {
     void* heap = nullptr;
     {
-      const std::shared_lock lock(directory_mutex_);
+      const detail::shared_lock lock(directory_mutex_);
       auto it = directory_.upper_bound(reinterpret_cast<std::uintptr_t>(p));
       heap = it != directory_.begin() ? std::prev(it)->second.heap : nullptr;
     }
@@ -81,29 +80,29 @@ class chunk_set {
     std::uint64_t device_syncs = 0;
   };
   [[nodiscard]] counts activity() const noexcept {
-    return {upstream_allocations_.load(std::memory_order_relaxed),
-            upstream_returns_.load(std::memory_order_relaxed),
-            device_syncs_.load(std::memory_order_relaxed)};
+    return {upstream_allocations_.load(detail::memory_order_relaxed),
+            upstream_returns_.load(detail::memory_order_relaxed),
+            device_syncs_.load(detail::memory_order_relaxed)};
   }
 
   [[nodiscard]] std::size_t count() const {
-    const std::shared_lock lock(directory_mutex_);
+    const detail::shared_lock lock(directory_mutex_);
     return directory_.size();
   }
 
   /// The most held from the upstream since construction or reset_peak_reserved().
   [[nodiscard]] std::size_t peak_reserved() {
-    const std::lock_guard lock(upstream_mutex_);
+    const detail::lock_guard lock(upstream_mutex_);
     return reserved_.peak();
   }
   void reset_peak_reserved() {
-    const std::lock_guard lock(upstream_mutex_);
+    const detail::lock_guard lock(upstream_mutex_);
     reserved_.reset_peak();
   }
 
   /// Every chunk held, as (base, size), by address.
   [[nodiscard]] std::vector<std::pair<std::uintptr_t, std::size_t>> ranges() const {
-    const std::shared_lock lock(directory_mutex_);
+    const detail::shared_lock lock(directory_mutex_);
     std::vector<std::pair<std::uintptr_t, std::size_t>> out;
     out.reserve(directory_.size());
     for (const auto& [base, e] : directory_) {
@@ -114,7 +113,7 @@ class chunk_set {
 
   /// The shard whose chunk holds `address`, or nullptr when no chunk does.
   [[nodiscard]] pool_shard* owner_of(std::uintptr_t address) const {
-    const std::shared_lock lock(directory_mutex_);
+    const detail::shared_lock lock(directory_mutex_);
     auto it = directory_.upper_bound(address);
     if (it == directory_.begin()) {
       return nullptr;
@@ -126,7 +125,7 @@ class chunk_set {
   /// Adds a chunk of `size` bytes from the upstream to `sh`'s tier `t` (caller holds sh's
   /// lock). False, with `cause` set, when the upstream or the maximum size says no.
   bool obtain(pool_shard& sh, pool_tier t, std::size_t size, std::string& cause) {
-    const std::lock_guard upstream_lock(upstream_mutex_);
+    const detail::lock_guard upstream_lock(upstream_mutex_);
     if (size > policy_->maximum_size - reserved_) {
       cause = "the pool's maximum size (" + format_bytes(policy_->maximum_size) +
               ") would be exceeded";
@@ -146,13 +145,13 @@ class chunk_set {
     try {
       const auto base = reinterpret_cast<std::uintptr_t>(p);
       {
-        const std::unique_lock lock(directory_mutex_);
+        const detail::unique_lock lock(directory_mutex_);
         directory_.emplace(base, entry{size, &sh, nullptr});
       }
       try {
         sh.tiers[t].add_region(base, size, t);
       } catch (...) {
-        const std::unique_lock lock(directory_mutex_);
+        const detail::unique_lock lock(directory_mutex_);
         directory_.erase(base);
         throw;
       }
@@ -161,11 +160,11 @@ class chunk_set {
       throw;
     }
     reserved_ += size;
-    upstream_allocations_.fetch_add(1, std::memory_order_relaxed);
+    upstream_allocations_.fetch_add(1, detail::memory_order_relaxed);
     if (policy_->annotates) {  // the upstream allocated: the CUDA runtime is initialised
       void* heap = memory_annotations::add_heap(policy_->device, p, size,
                                                       "cudamem::pool_resource chunk");
-      const std::unique_lock lock(directory_mutex_);
+      const detail::unique_lock lock(directory_mutex_);
       directory_.find(reinterpret_cast<std::uintptr_t>(p))->second.heap = heap;
     }
     return true;
@@ -197,7 +196,7 @@ class chunk_set {
         // push small ones out between future large blocks. (Cheap when there are none.)
         release_free(shards, &home, large_tier);
       }
-      const std::lock_guard lock(home.mutex);
+      const detail::lock_guard lock(home.mutex);
       if (obtain(home, t, chunk, cause)) {
         if (void* p = home.take(*policy_, t, size, alignment, stream)) {
           return p;
@@ -207,7 +206,7 @@ class chunk_set {
     // The upstream is out: any free block anywhere in the pool will do.
     for (std::size_t i = 0; i < shards.size(); ++i) {
       pool_shard& sh = *shards[(pool_thread_slot() + i) & (shards.size() - 1)];
-      const std::lock_guard lock(sh.mutex);
+      const detail::lock_guard lock(sh.mutex);
       sh.flush_cache();
       for (pool_tier other : {t, t == small_tier ? large_tier : small_tier}) {
         if (void* p = sh.take(*policy_, other, size, alignment, stream, {.any_block = true})) {
@@ -228,7 +227,7 @@ class chunk_set {
         if (only != nullptr && sh.get() != only) {
           continue;
         }
-        const std::lock_guard lock(sh->mutex);
+        const detail::lock_guard lock(sh->mutex);
         sh->flush_cache();  // cached blocks may be all that keeps a chunk from being wholly free
         for (pool_heap& h : sh->tiers) {
           if (only_tier >= 0 && &h != &sh->tiers[only_tier]) {
@@ -271,7 +270,7 @@ class chunk_set {
     if ((pending || leaked_blocks != 0) && policy_->tracks_streams) {
       synchronize_reporting();
     }
-    const std::lock_guard upstream_lock(upstream_mutex_);
+    const detail::lock_guard upstream_lock(upstream_mutex_);
     for (const auto& [base, e] : directory_) {
       memory_annotations::remove_heap(policy_->device, e.heap);
       upstream_->deallocate(reinterpret_cast<void*>(base), e.size, pool_policy::granule);
@@ -296,10 +295,10 @@ class chunk_set {
                     [](const returned_chunk& c) { return c.pending; })) {
       synchronize_reporting();
     }
-    const std::lock_guard upstream_lock(upstream_mutex_);
+    const detail::lock_guard upstream_lock(upstream_mutex_);
     for (const returned_chunk& c : chunks) {
       {
-        const std::unique_lock lock(directory_mutex_);
+        const detail::unique_lock lock(directory_mutex_);
         const auto it = directory_.find(c.base);
         memory_annotations::remove_heap(policy_->device, it->second.heap);
         directory_.erase(it);
@@ -307,13 +306,13 @@ class chunk_set {
       upstream_->deallocate(reinterpret_cast<void*>(c.base), c.size, pool_policy::granule);
       reserved_ -= c.size;
       total += c.size;
-      upstream_returns_.fetch_add(1, std::memory_order_relaxed);
+      upstream_returns_.fetch_add(1, detail::memory_order_relaxed);
     }
     return total;
   }
 
   void synchronize_reporting() noexcept {
-    device_syncs_.fetch_add(1, std::memory_order_relaxed);
+    device_syncs_.fetch_add(1, detail::memory_order_relaxed);
     try {
       policy_->events->synchronize_device(policy_->device);
     } catch (const cuda_error& e) {
@@ -323,14 +322,14 @@ class chunk_set {
 
   memory_resource* upstream_;
   const pool_policy* policy_;
-  std::mutex upstream_mutex_;
+  detail::mutex upstream_mutex_;
   held_bytes reserved_;  ///< held from the upstream, and its peak (guarded by upstream_mutex_)
-  mutable std::shared_mutex directory_mutex_;
+  mutable detail::shared_mutex directory_mutex_;
   std::map<std::uintptr_t, entry> directory_;  ///< chunk base -> size and shard
   // Counts for pool_resource::stream_stats (relaxed: read for reports, never to decide).
-  std::atomic<std::uint64_t> upstream_allocations_{0};
-  std::atomic<std::uint64_t> upstream_returns_{0};
-  std::atomic<std::uint64_t> device_syncs_{0};
+  detail::atomic<std::uint64_t> upstream_allocations_{0};
+  detail::atomic<std::uint64_t> upstream_returns_{0};
+  detail::atomic<std::uint64_t> device_syncs_{0};
 };
 
 }  // namespace cudamem::detail

@@ -52,32 +52,32 @@
 #include <cudamem/detail/pool/stream_ledger.hpp>
 #include <cudamem/detail/pool/tlsf_heap.hpp>
 #include <cudamem/detail/spin_lock.hpp>
+#include <cudamem/detail/sync/atomic.hpp>
+#include <cudamem/detail/sync/thread.hpp>
+#include <cudamem/detail/unique_owner.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/stream.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
-#include <memory>
 #include <new>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 namespace cudamem::detail {
 
 /// The calling thread's number, given in order of first use (for picking a shard).
-inline std::atomic<unsigned> next_pool_thread_slot{0};
+inline detail::atomic<unsigned> next_pool_thread_slot{0};
 inline thread_local unsigned this_pool_thread_slot = std::numeric_limits<unsigned>::max();
 
 [[nodiscard]] inline unsigned pool_thread_slot() noexcept {
   if (this_pool_thread_slot == std::numeric_limits<unsigned>::max()) [[unlikely]] {
-    this_pool_thread_slot = next_pool_thread_slot.fetch_add(1, std::memory_order_relaxed);
+    this_pool_thread_slot = next_pool_thread_slot.fetch_add(1, detail::memory_order_relaxed);
   }
   return this_pool_thread_slot;
 }
@@ -406,7 +406,7 @@ template <class Options>
     throw std::invalid_argument("cudamem::pool_resource: " + what);
   };
   if (o.shards == 0) {
-    const unsigned hw = std::max(1U, std::thread::hardware_concurrency());
+    const unsigned hw = std::max(1U, detail::hardware_threads());
     o.shards = std::min(16U, std::bit_floor(hw));
   }
   if (!std::has_single_bit(o.shards) || o.shards > 256) {
@@ -431,12 +431,12 @@ template <class Options>
 }
 
 /// `count` empty shards, each on cache lines of its own.
-[[nodiscard]] inline std::vector<std::unique_ptr<pool_shard>> make_pool_shards(
+[[nodiscard]] inline std::vector<detail::unique_owner<pool_shard>> make_pool_shards(
     unsigned count, const pool_policy& policy) {
-  std::vector<std::unique_ptr<pool_shard>> shards;
+  std::vector<detail::unique_owner<pool_shard>> shards;
   shards.reserve(count);
   for (unsigned i = 0; i < count; ++i) {
-    shards.push_back(std::make_unique<pool_shard>(policy));
+    shards.push_back(detail::make_unique_owner<pool_shard>(policy));
   }
   return shards;
 }

@@ -44,6 +44,7 @@
 
 #include <cudamem/detail/pool/stream_events.hpp>
 #include <cudamem/detail/stream_tag.hpp>
+#include <cudamem/detail/unique_owner.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/stream.hpp>
 
@@ -53,7 +54,6 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <vector>
 
 namespace cudamem::detail {
@@ -437,7 +437,7 @@ class stream_ledger {
         return *r;
       }
     }
-    auto fresh = std::make_unique<stream_record>();
+    auto fresh = detail::make_unique_owner<stream_record>();
     fresh->handle = stream_tag(s.get());
     fresh->device = device_;
     streams_.push_back(std::move(fresh));
@@ -448,7 +448,7 @@ class stream_ledger {
   stream_event_driver* driver_;
   int device_;
   bool remember_waits_;
-  std::vector<std::unique_ptr<stream_record>> streams_;
+  std::vector<detail::unique_owner<stream_record>> streams_;
   stream_record* last_ = nullptr;
   cudaStream_t refreshed_for_ = nullptr;  ///< the stream refresh() last ran for
   stream_counters counters_;

@@ -41,6 +41,7 @@
 #pragma once
 
 #include <cudamem/detail/pool/tlsf_nodes.hpp>
+#include <cudamem/detail/unique_owner.hpp>
 
 #include <algorithm>
 #include <bit>
@@ -48,7 +49,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
-#include <memory>
 
 namespace cudamem::detail {
 
@@ -88,7 +88,7 @@ class tlsf_heap {
     size &= ~(granule_ - 1);
     assert(size > 0);
     nodes_.reserve(1);
-    auto holder = std::make_unique<region>();
+    auto holder = detail::make_unique_owner<region>();
     region* r = holder.release();
     r->base = base;
     r->size = size;

@@ -13,10 +13,11 @@
 // system allocator. Not thread-safe: the heap's owner locks.
 #pragma once
 
+#include <cudamem/detail/unique_owner.hpp>
+
 #include <cassert>
 #include <cstddef>
 #include <cstdint>
-#include <memory>
 #include <vector>
 
 namespace cudamem::detail {
@@ -81,7 +82,7 @@ class tlsf_node_store {
   void reserve(std::size_t count) {
     while (spare_count_ < count) {
       constexpr std::size_t slab_size = 256;
-      slabs_.push_back(std::make_unique<Block[]>(slab_size));  // may throw: nothing changed yet
+      slabs_.push_back(detail::make_unique_owner<Block[]>(slab_size));  // may throw: nothing changed yet
       for (std::size_t i = 0; i < slab_size; ++i) {
         recycle(&slabs_.back()[i]);
       }
@@ -111,7 +112,7 @@ class tlsf_node_store {
   }
 
  private:
-  std::vector<std::unique_ptr<Block[]>> slabs_;
+  std::vector<detail::unique_owner<Block[]>> slabs_;
   Block* spare_ = nullptr;
   std::size_t spare_count_ = 0;
 };

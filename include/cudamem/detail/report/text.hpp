@@ -12,7 +12,6 @@
 #include <cudamem/detail/report/figures.hpp>
 #include <cudamem/detail/report/verdict.hpp>
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdio>
 #include <optional>
@@ -135,7 +134,7 @@ inline std::string memory_report::holders_text() const {
             format_bytes(*h.this_process) + ": " + format_bytes(held_by_chain()) +
             " through this chain";
     if (context) {
-      const std::size_t reserved = std::min(context->total(), outside);
+      const std::size_t reserved = context->total() < outside ? context->total() : outside;
       text += ", " + format_bytes(reserved) + " reserved by its CUDA context for kernels (" +
               "stacks " + format_bytes(context->stack_per_thread) + " x " +
               std::to_string(context->threads) + " threads, malloc heap " +

@@ -40,6 +40,7 @@
 #include <cudamem/detail/cuda/driver.hpp>
 #include <cudamem/detail/cuda/quiet_device_scope.hpp>
 #include <cudamem/detail/stream_tag.hpp>
+#include <cudamem/detail/sync/mutex.hpp>
 #include <cudamem/detail/vm/mapping.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
@@ -52,7 +53,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -214,14 +214,14 @@ class driver_vm_mapping final : public vm_mapping_layer, private stream_listener
   }
 
   void set_access(std::uintptr_t va, std::size_t bytes) override {
-    const std::lock_guard lock(access_mutex_);  // add_peer may grow the list meanwhile
+    const detail::lock_guard lock(access_mutex_);  // add_peer may grow the list meanwhile
     check_driver(driver().mem_set_access(static_cast<CUdeviceptr>(va), bytes, access_.data(),
                                          access_.size()),
                  "cuMemSetAccess");
   }
 
   void add_peer(int peer) override {
-    const std::lock_guard lock(access_mutex_);
+    const detail::lock_guard lock(access_mutex_);
     if (peer == device_ || std::find(peers_.begin(), peers_.end(), peer) != peers_.end()) {
       return;
     }
@@ -242,7 +242,7 @@ class driver_vm_mapping final : public vm_mapping_layer, private stream_listener
   }
 
   void record_free(cudaStream_t stream, std::uintptr_t /*va*/, std::size_t /*bytes*/) override {
-    const std::lock_guard lock(events_mutex_);
+    const detail::lock_guard lock(events_mutex_);
     stream_event& e = event_for(stream);
     if (records_lazily(stream)) {
       e.owed = true;  // recorded when needed (see above)
@@ -264,7 +264,7 @@ class driver_vm_mapping final : public vm_mapping_layer, private stream_listener
   void wait_for_all_frees() noexcept override {
     std::vector<cudaEvent_t> all;
     try {
-      const std::lock_guard lock(events_mutex_);
+      const detail::lock_guard lock(events_mutex_);
       all.reserve(events_.size());
       for (stream_event& e : events_) {
         settle(e);
@@ -356,7 +356,7 @@ class driver_vm_mapping final : public vm_mapping_layer, private stream_listener
 
   /// The event that covers every free on `stream` so far.
   cudaEvent_t settled_event(cudaStream_t stream) {
-    const std::lock_guard lock(events_mutex_);
+    const detail::lock_guard lock(events_mutex_);
     stream_event& e = event_for(stream);
     settle(e);
     return e.event;
@@ -364,7 +364,7 @@ class driver_vm_mapping final : public vm_mapping_layer, private stream_listener
 
   /// A stream is about to be captured (prepare_for_graph_capture): every record owed now.
   void before_graph_capture() noexcept override {
-    const std::lock_guard lock(events_mutex_);
+    const detail::lock_guard lock(events_mutex_);
     for (stream_event& e : events_) {
       try {
         settle(e);
@@ -382,9 +382,9 @@ class driver_vm_mapping final : public vm_mapping_layer, private stream_listener
   CUmemAllocationProp properties_{};
   std::size_t granularity_ = 0;
   std::size_t device_total_ = 0;
-  std::mutex access_mutex_;               ///< guards peers_ and access_ once constructed
+  detail::mutex access_mutex_;               ///< guards peers_ and access_ once constructed
   std::vector<CUmemAccessDesc> access_;
-  std::mutex events_mutex_;  ///< guards events_: before_graph_capture comes from any thread
+  detail::mutex events_mutex_;  ///< guards events_: before_graph_capture comes from any thread
   std::vector<stream_event> events_;
 };
 

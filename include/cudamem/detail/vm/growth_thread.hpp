@@ -2,9 +2,9 @@
 // (vm_resource_options::grow_ahead_bytes): it runs one step at a time, when woken, beside the
 // threads that allocate.
 //
-//   std::mutex mutex;                                  // the owner's: guards its state
-//   cudamem::detail::growth_thread ahead{mutex, step, on_start};
-//   std::unique_lock lock(mutex);
+//   detail::mutex mutex;                               // the owner's: guards its state
+//   cudamem::detail::growth_thread ahead{mutex, work};  // work: a growth_work (step, on_start)
+//   detail::unique_lock lock(mutex);
 //   ahead.wake(lock);          // after an allocation left too little mapped ahead
 //   ahead.wait_next_step(lock);  // a thread that needs memory waits for the next batch
 //   ahead.stop();              // without the lock: the destructor's first act
@@ -36,38 +36,49 @@
 //   joined. Idempotent; the destructor calls it.
 #pragma once
 
+#include <cudamem/detail/sync/mutex.hpp>
+#include <cudamem/detail/sync/thread.hpp>
 #include <cudamem/error.hpp>
 
-#include <condition_variable>
+#include <cstddef>
 #include <exception>
-#include <functional>
-#include <mutex>
+#include <stdexcept>
 #include <string>
-#include <thread>
-#include <utility>
 
 namespace cudamem::detail {
 
+/// What the thread runs, the owner's side (vm_resource): `growth_step` and
+/// `growth_thread_started` are the contract's `step` and `on_start`.
+class growth_work {
+ public:
+  virtual bool growth_step(unique_lock<mutex>& lock) = 0;
+  virtual void growth_thread_started() = 0;
+
+ protected:
+  growth_work() = default;
+  growth_work(const growth_work&) = default;
+  growth_work& operator=(const growth_work&) = default;
+  ~growth_work() = default;
+};
+
 class growth_thread {
  public:
-  using step_function = std::function<bool(std::unique_lock<std::mutex>&)>;
-
-  growth_thread(std::mutex& owner, step_function step, std::function<void()> on_start)
-      : owner_(owner), step_(std::move(step)), on_start_(std::move(on_start)) {}
+  /// `work` must outlive the thread (the owner stops it first thing in its destructor).
+  growth_thread(detail::mutex& owner, growth_work& work) : owner_(owner), work_to_do_(work) {}
 
   growth_thread(const growth_thread&) = delete;
   growth_thread& operator=(const growth_thread&) = delete;
   ~growth_thread() { stop(); }
 
-  void wake(std::unique_lock<std::mutex>& /*held*/) {
+  void wake(detail::unique_lock<detail::mutex>& /*held*/) {
     if (broken_ || stopping_) {
       return;
     }
     wanted_ = true;
     if (!thread_.joinable()) {
       try {
-        thread_ = std::thread([this] { run(); });
-      } catch (const std::system_error&) {  // no thread to be had: grow on the callers' threads
+        thread_ = detail::thread([this] { run(); });
+      } catch (const std::runtime_error&) {  // no thread to be had: grow on the callers' threads
         broken_ = true;
         wanted_ = false;
         return;
@@ -81,21 +92,21 @@ class growth_thread {
   [[nodiscard]] bool busy() const noexcept { return stepping_ || wanted_; }
 
   /// Waits until no step is running.
-  void wait_step(std::unique_lock<std::mutex>& held) {
+  void wait_step(detail::unique_lock<detail::mutex>& held) {
     done_.wait(held, [this] { return !stepping_; });
   }
 
   /// Waits until the next step ends, or the thread has nothing running nor asked for.
-  void wait_next_step(std::unique_lock<std::mutex>& held) {
+  void wait_next_step(detail::unique_lock<detail::mutex>& held) {
     const std::size_t seen = steps_;
     done_.wait(held, [&] { return steps_ != seen || !busy(); });
   }
 
-  void wait_idle(std::unique_lock<std::mutex>& held) {
+  void wait_idle(detail::unique_lock<detail::mutex>& held) {
     done_.wait(held, [this] { return !stepping_ && !wanted_; });
   }
 
-  void cancel(std::unique_lock<std::mutex>& /*held*/) noexcept {
+  void cancel(detail::unique_lock<detail::mutex>& /*held*/) noexcept {
     wanted_ = false;
     ++cancels_;  // and the step in flight does not ask for another when it ends
     done_.notify_all();  // a thread waiting for the step asked for waits no more
@@ -103,7 +114,7 @@ class growth_thread {
 
   void stop() noexcept {
     {
-      const std::lock_guard lock(owner_);
+      const detail::lock_guard lock(owner_);
       stopping_ = true;
       wanted_ = false;
     }
@@ -116,7 +127,7 @@ class growth_thread {
  private:
   void run() noexcept {
     try {
-      on_start_();
+      work_to_do_.growth_thread_started();
     } catch (const std::exception& e) {
       give_up("the growth thread could not start: ", e.what());
       return;
@@ -124,7 +135,7 @@ class growth_thread {
       give_up("the growth thread could not start: ", "an exception that is not a std::exception");
       return;
     }
-    std::unique_lock lock(owner_);
+    detail::unique_lock lock(owner_);
     while (true) {
       work_.wait(lock, [this] { return stopping_ || wanted_; });
       if (stopping_) {
@@ -136,7 +147,7 @@ class growth_thread {
       const char* failure = nullptr;  // what() lives as long as the exception: report inside
       bool again = false;
       try {
-        again = step_(lock);
+        again = work_to_do_.growth_step(lock);
       } catch (const std::exception& e) {
         failure = e.what();
         report_unlocked(lock, "growth ahead stopped: ", failure);
@@ -162,7 +173,7 @@ class growth_thread {
 
   /// Reports a failure without the owner's lock (the handler may call the owner), while the
   /// thread still counts as stepping: whoever waits for it to be idle sees the report made.
-  static void report_unlocked(std::unique_lock<std::mutex>& lock, const char* what,
+  static void report_unlocked(detail::unique_lock<detail::mutex>& lock, const char* what,
                               const char* why) noexcept {
     if (lock.owns_lock()) {
       lock.unlock();
@@ -180,25 +191,24 @@ class growth_thread {
   void give_up(const char* what, const char* why) noexcept {
     report(what, why);
     {
-      const std::lock_guard lock(owner_);
+      const detail::lock_guard lock(owner_);
       broken_ = true;
       wanted_ = false;
     }
     done_.notify_all();
   }
 
-  std::mutex& owner_;
-  step_function step_;
-  std::function<void()> on_start_;
-  std::condition_variable work_;  ///< wakes the thread: a step wanted, or stop
-  std::condition_variable done_;  ///< wakes waiters: a step finished
+  detail::mutex& owner_;
+  growth_work& work_to_do_;
+  detail::condition_variable work_;  ///< wakes the thread: a step wanted, or stop
+  detail::condition_variable done_;  ///< wakes waiters: a step finished
   bool wanted_ = false;           ///< guarded by owner_, as the three below
   bool stepping_ = false;
   bool stopping_ = false;
   bool broken_ = false;           ///< a step or the start failed: never again
   std::size_t steps_ = 0;         ///< steps finished
   std::size_t cancels_ = 0;       ///< cancel() calls
-  std::thread thread_;
+  detail::thread thread_;
 };
 
 }  // namespace cudamem::detail

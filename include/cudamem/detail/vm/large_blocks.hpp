@@ -28,6 +28,7 @@
 #pragma once
 
 #include <cudamem/detail/spare_nodes.hpp>
+#include <cudamem/detail/sync/mutex.hpp>
 #include <cudamem/detail/usage_counter.hpp>
 #include <cudamem/error.hpp>  // report_problem
 #include <cudamem/memory_resource.hpp>
@@ -35,7 +36,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <mutex>
 #include <optional>
 #include <unordered_map>
 #include <utility>
@@ -73,7 +73,7 @@ class large_block_ledger {
   /// records it. Throws std::bad_alloc (no host memory for the record) having counted nothing.
   void record(void* p, std::size_t bytes, bool bulk) {
     if (!marked_) {
-      const std::lock_guard lock(mutex_);
+      const detail::lock_guard lock(mutex_);
       spare_.insert(recorded_, reinterpret_cast<std::uintptr_t>(p), block{bytes, bulk});
     }
     usage_.add(bytes);
@@ -113,7 +113,7 @@ class large_block_ledger {
   /// Appends the recorded blocks as (address, bytes): none when marked (they are in the
   /// vm_resources' mapped ranges).
   void append_recorded(std::vector<std::pair<std::uintptr_t, std::size_t>>& out) const {
-    const std::lock_guard lock(mutex_);
+    const detail::lock_guard lock(mutex_);
     for (const auto& [address, b] : recorded_) {
       out.emplace_back(address, b.bytes);
     }
@@ -144,7 +144,7 @@ class large_block_ledger {
   /// The record of `p`, erased; nullopt if there is none (or the mutex could not be locked).
   std::optional<block> forget(const void* p) noexcept {
     try {
-      const std::lock_guard lock(mutex_);
+      const detail::lock_guard lock(mutex_);
       const auto it = recorded_.find(reinterpret_cast<std::uintptr_t>(p));
       if (it != recorded_.end()) {
         const block b = it->second;
@@ -168,7 +168,7 @@ class large_block_ledger {
   vm_resource* bulk_;
   std::size_t bulk_handle_;  ///< bulk_'s handle bytes; 0 when there is no bulk resource
   bool marked_;
-  mutable std::mutex mutex_;  ///< guards the two below (unmarked only)
+  mutable detail::mutex mutex_;  ///< guards the two below (unmarked only)
   block_map recorded_;
   spare_nodes<block_map> spare_;  ///< nodes of freed records, for the next ones
   usage_counter usage_;  ///< the bytes asked for by the live large blocks

@@ -1,0 +1,297 @@
+#!/usr/bin/env python3
+"""What including cudamem costs a translation unit: compile time, beside a file that includes
+only cuda_runtime.h, measured in the same run. Needs no GPU.
+
+    python3 bench/compile_time.py                  # the key units, nvcc and g++, 5 runs each
+    python3 bench/compile_time.py --headers        # and every public header alone
+    python3 bench/compile_time.py --rmm DIR        # and RMM's comparable set (DIR: RMM's include/)
+    python3 bench/compile_time.py --runs 9 --json out.json
+
+Each unit is a small program: a kernel and a main() that use what the unit includes (a
+device_buffer over the current resource, a pool, ...), compiled alone with `nvcc -std=c++20
+-arch=sm_90 -c` as a .cu file, and without its kernel with `g++ -std=c++20 -O2 -c` as a .cpp file.
+The units run in turns (every unit once, then every unit again, ...), so that a machine whose
+speed drifts slows all of them alike. A unit's time is the median over the runs of the CPU time
+(user + system) of the compiler and every process it starts: on a machine with other work on
+it that is steadier than the wall clock, and on an idle one the two agree (a compile is one
+process at a time). The table gives each median with the runs' spread (min-max), its ratio to
+the cuda_runtime.h-only unit of the same compiler, and the preprocessed lines (g++ -E -P, lines
+that are not blank).
+
+The units:
+  cuda_runtime.h      the baseline: cuda_runtime.h, a kernel, cudaMalloc/cudaFree
+  <stdexcept> floor   the baseline + <stdexcept>: what any header costs whose errors are
+                      std::runtime_errors (cudamem's are); no cudamem unit can cost less
+  owners              stream.hpp + device_buffer.hpp: a stream and a buffer, a kernel on it
+  pool                stream, device_resource, pool_resource, device_buffer
+  vm_pool             stream, vm_pool_resource, device_buffer
+  umbrella            cudamem/cudamem.hpp, used as the quick start does
+  thrust + cub        thrust's device_vector and sort, cub.cuh (nvcc only): for scale
+  rmm                 with --rmm: RMM's device_buffer, device_uvector, pool_memory_resource,
+                      cuda_memory_resource and cuda_stream, the comparable set
+  <header>            with --headers: each public header alone (include + the baseline body)
+
+RMM's headers: RMM 24.12's are in its PyPI wheel, with the fmt, spdlog and CCCL they need:
+`pip download --no-deps librmm-cu12==24.12.1 && unzip -q librmm_cu12-*.whl -d rmm`, then
+`--rmm rmm/librmm/include`. Without --rmm the column is skipped, and the table says so.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INCLUDE = os.path.join(REPO, "include")
+
+KERNEL = """
+__global__ void scale(float* x, unsigned long long n) {
+  const unsigned long long i = blockIdx.x * 256ull + threadIdx.x;
+  if (i < n) x[i] *= 2.0f;
+}
+"""
+
+# name -> (includes, main() body for both compilers, kernel launch for nvcc only)
+UNITS = {
+    "cuda_runtime.h": (
+        ["cuda_runtime.h"],
+        "float* p = nullptr;\n  cudaMalloc(&p, 4096);",
+        "scale<<<4, 256>>>(p, 1024);\n  cudaFree(p);"),
+    "<stdexcept> floor": (
+        ["cuda_runtime.h", "stdexcept"],
+        "float* p = nullptr;\n  if (cudaMalloc(&p, 4096) != cudaSuccess) throw std::runtime_error(\"no\");",
+        "scale<<<4, 256>>>(p, 1024);\n  cudaFree(p);"),
+    "owners": (
+        ["cudamem/stream.hpp", "cudamem/device_buffer.hpp"],
+        "cudamem::stream s;\n  cudamem::device_buffer<float> b(1024, s);",
+        "scale<<<4, 256, 0, s.get()>>>(b.data(), b.size());\n  s.synchronize();"),
+    "pool": (
+        ["cudamem/stream.hpp", "cudamem/device_resource.hpp", "cudamem/pool_resource.hpp",
+         "cudamem/device_buffer.hpp"],
+        "cudamem::stream s;\n  cudamem::device_resource device;\n"
+        "  cudamem::pool_resource pool{device};\n"
+        "  cudamem::device_buffer<float> b(1024, s, pool);",
+        "scale<<<4, 256, 0, s.get()>>>(b.data(), b.size());\n  s.synchronize();"),
+    "vm_pool": (
+        ["cudamem/stream.hpp", "cudamem/vm_pool_resource.hpp", "cudamem/device_buffer.hpp"],
+        "cudamem::stream s;\n  cudamem::vm_pool_resource pool;\n"
+        "  cudamem::device_buffer<float> b(1024, s, pool);",
+        "scale<<<4, 256, 0, s.get()>>>(b.data(), b.size());\n  s.synchronize();"),
+    "umbrella": (
+        ["cudamem/cudamem.hpp"],
+        "cudamem::stream s;\n  cudamem::device_resource device;\n"
+        "  cudamem::pool_resource pool{device};\n"
+        "  cudamem::device_buffer<float> b(1024, s, pool);",
+        "scale<<<4, 256, 0, s.get()>>>(b.data(), b.size());\n  s.synchronize();"),
+    "thrust + cub": (
+        ["thrust/device_vector.h", "thrust/sort.h", "cub/cub.cuh"],
+        None,  # nvcc only
+        "thrust::device_vector<float> v(1024);\n  thrust::sort(v.begin(), v.end());\n"
+        "  scale<<<4, 256>>>(thrust::raw_pointer_cast(v.data()), v.size());"),
+}
+
+RMM_UNIT = (
+    ["rmm/cuda_stream.hpp", "rmm/device_buffer.hpp", "rmm/device_uvector.hpp",
+     "rmm/mr/device/cuda_memory_resource.hpp", "rmm/mr/device/pool_memory_resource.hpp"],
+    "rmm::cuda_stream s;\n  rmm::mr::cuda_memory_resource up;\n"
+    "  rmm::mr::pool_memory_resource<rmm::mr::cuda_memory_resource> pool{&up, 1u << 20};\n"
+    "  rmm::device_uvector<float> b(1024, s.view(), &pool);",
+    "scale<<<4, 256, 0, s.value()>>>(b.data(), b.size());\n  s.synchronize();")
+
+# Public headers that need something cudamem does not (NCCL): measured only where it is found.
+NEEDS_NCCL = {"cudamem/nccl.hpp", "cudamem/nccl_pool.hpp"}
+
+
+def source(unit, language):
+    """The text of a unit's translation unit for `language` ("cu" or "cpp"); None if the unit
+    has no form for it."""
+    includes, body, launch = unit
+    if language == "cpp" and body is None:
+        return None
+    lines = ["#include <%s>" % h for h in includes]
+    if language == "cu":
+        lines.append(KERNEL)
+    lines.append("int main() {")
+    if body:
+        lines.append("  " + body)
+    if language == "cu" and launch:
+        lines.append("  " + launch)
+    lines.append("  return 0;\n}\n")
+    return "\n".join(lines)
+
+
+def cuda_home():
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
+
+
+def commands(args, language, src, obj, extra_flags):
+    includes = ["-I", INCLUDE] + list(extra_flags)
+    if language == "cu":
+        return [args.nvcc, "-std=c++20", "-arch=sm_90", "-c", src, "-o", obj] + includes
+    home = cuda_home()
+    return ([args.cxx, "-std=c++20", "-O2", "-c", "-x", "c++", src, "-o", obj] + includes
+            + ["-isystem", os.path.join(home, "include"),
+               "-isystem", os.path.join(home, "include", "cccl")])
+
+
+def cpu_seconds(command):
+    """Runs `command`; returns (CPU seconds of it and its children, wall seconds), or raises
+    with its output when it fails."""
+    started = time.monotonic()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    output = process.stdout.read()
+    _, status, usage = os.wait4(process.pid, 0)
+    wall = time.monotonic() - started
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode != 0:
+        raise RuntimeError("%s failed:\n%s" % (" ".join(command), output.decode(errors="replace")[-3000:]))
+    return usage.ru_utime + usage.ru_stime, wall
+
+
+def preprocessed_lines(args, src, extra_flags):
+    command = commands(args, "cpp", src, os.devnull, extra_flags)
+    command = [c for c in command if c not in ("-c", "-O2")]
+    at = command.index("-o")
+    del command[at:at + 2]
+    command += ["-E", "-P"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        return None
+    return sum(1 for line in done.stdout.splitlines() if line.strip())
+
+
+def rmm_flags(root):
+    """What RMM's CMake package gives a consumer: its include directory, the CCCL it was built
+    with (as its wheel lays them out), and its definitions (fmt and spdlog header-only, CCCL's
+    experimental memory resources)."""
+    dirs = [root]
+    rapids = os.path.join(root, "rapids")
+    for d in (rapids, os.path.join(rapids, "libcudacxx")):
+        if os.path.isdir(d):
+            dirs.insert(0, d)
+    return (sum((["-I", d] for d in dirs), [])
+            + ["-DSPDLOG_FMT_EXTERNAL", "-DFMT_HEADER_ONLY",
+               "-DLIBCUDACXX_ENABLE_EXPERIMENTAL_MEMORY_RESOURCE"])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=5, help="runs of every unit (median)")
+    parser.add_argument("--headers", action="store_true", help="also each public header alone")
+    parser.add_argument("--header-runs", type=int, default=3, help="runs of each header alone")
+    parser.add_argument("--rmm", metavar="DIR", help="RMM's include directory (see above)")
+    parser.add_argument("--only", help="comma-separated unit names to measure (and the baseline)")
+    parser.add_argument("--compilers", default="nvcc,g++", help="nvcc, g++ or both")
+    parser.add_argument("--nvcc", default=shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
+    parser.add_argument("--cxx", default=shutil.which("g++") or "g++")
+    parser.add_argument("--json", metavar="FILE", help="write every measurement to FILE")
+    args = parser.parse_args()
+    if args.runs < 1 or args.header_runs < 1:
+        parser.error("--runs and --header-runs must be at least 1")
+    languages = []
+    for name in args.compilers.split(","):
+        if name not in ("nvcc", "g++"):
+            parser.error("--compilers takes nvcc and g++, not %r" % name)
+        languages.append("cu" if name == "nvcc" else "cpp")
+    if "cu" in languages and not os.path.exists(args.nvcc):
+        sys.exit("compile_time.py: nvcc not found (install the CUDA Toolkit, or pass --nvcc)")
+    if "cpp" in languages and not shutil.which(args.cxx):
+        sys.exit("compile_time.py: %s not found (pass --cxx)" % args.cxx)
+
+    units = dict(UNITS)
+    notes = []
+    extra = {name: [] for name in units}
+    if args.rmm:
+        if not os.path.isfile(os.path.join(args.rmm, "rmm", "device_buffer.hpp")):
+            sys.exit("compile_time.py: %s has no rmm/device_buffer.hpp" % args.rmm)
+        units["rmm"] = RMM_UNIT
+        extra["rmm"] = rmm_flags(args.rmm)
+    else:
+        notes.append("rmm: skipped (no --rmm DIR; see the docstring for where to get RMM's "
+                     "headers)")
+    if args.only:
+        wanted = set(args.only.split(",")) | {"cuda_runtime.h"}
+        unknown = wanted - set(units)
+        if unknown:
+            parser.error("unknown units: %s (known: %s)" % (sorted(unknown), sorted(units)))
+        units = {k: v for k, v in units.items() if k in wanted}
+    header_units = {}
+    if args.headers:
+        base_includes, base_body, base_launch = UNITS["cuda_runtime.h"]
+        for root, _, files in os.walk(os.path.join(INCLUDE, "cudamem")):
+            if os.path.basename(root) != "cudamem":
+                continue
+            for f in sorted(files):
+                header = "cudamem/" + f
+                if f.endswith(".hpp") and header not in NEEDS_NCCL:
+                    header_units[header] = ([header] + base_includes, base_body, base_launch)
+        notes.append("headers needing NCCL (%s) are not measured alone" % ", ".join(sorted(NEEDS_NCCL)))
+        for name in header_units:
+            extra[name] = []
+
+    work = tempfile.mkdtemp(prefix="cudamem-compile-time-")
+    samples = {}  # (unit, language) -> [(cpu, wall)]
+    lines = {}
+    try:
+        def measure(table, runs):
+            for run in range(runs):
+                for name, unit in table.items():
+                    for language in languages:
+                        text = source(unit, language)
+                        if text is None:
+                            continue
+                        src = os.path.join(work, "unit.%s" % language)
+                        with open(src, "w") as f:
+                            f.write(text)
+                        obj = os.path.join(work, "unit.o")
+                        cpu, wall = cpu_seconds(commands(args, language, src, obj, extra[name]))
+                        samples.setdefault((name, language), []).append((cpu, wall))
+                        if run == 0 and language == "cpp" and name not in lines:
+                            lines[name] = preprocessed_lines(args, src, extra[name])
+                print("run %d of %d done" % (run + 1, runs), file=sys.stderr, flush=True)
+
+        measure(units, args.runs)
+        if header_units:
+            measure({"cuda_runtime.h": UNITS["cuda_runtime.h"], **header_units}, args.header_runs)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    def cell(name, language):
+        got = samples.get((name, language))
+        if not got:
+            return "—", None
+        cpu = [c for c, _ in got]
+        median = statistics.median(cpu)
+        base = statistics.median(c for c, _ in samples[("cuda_runtime.h", language)])
+        return "%.2f (%.2f-%.2f)" % (median, min(cpu), max(cpu)), median / base
+
+    header = "| unit | nvcc -c, CPU s | × cuda_runtime.h | g++ -O2 -c, CPU s | × cuda_runtime.h | preprocessed lines |"
+    print(header)
+    print("|---|---|---|---|---|---|")
+    for name in list(units) + list(header_units):
+        row = ["`%s`" % name if name in header_units else name]
+        for language in ("cu", "cpp"):
+            text, ratio = cell(name, language)
+            row += [text, "%.2f" % ratio if ratio is not None else "—"]
+        row.append("{:,}".format(lines[name]) if lines.get(name) else "—")
+        print("| " + " | ".join(row) + " |")
+    if "rmm" in units and "umbrella" in units and ("rmm", "cu") in samples:
+        rmm = statistics.median(c for c, _ in samples[("rmm", "cu")])
+        umbrella = statistics.median(c for c, _ in samples[("umbrella", "cu")])
+        print("\numbrella / rmm under nvcc: %.2f" % (umbrella / rmm))
+    for note in notes:
+        print("note: " + note)
+    print("medians of %d runs (%d for headers alone); %s; nvcc %s; %s" % (
+        args.runs, args.header_runs, os.uname().nodename, args.nvcc, args.cxx))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"%s|%s" % k: v for k, v in samples.items()} | {"lines": lines}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
