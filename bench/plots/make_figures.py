@@ -42,9 +42,10 @@ FIGURES = [
         "data": "pytorch_fragmentation.csv",
         "svg": "pytorch_fragmentation.svg",
         "columns": {"trace": str, "allocator": str, "fraction": float},
-        "made_by": "bench/python/run_all.py (PyTorch, a GPU): run `python3 bench/python/run_all.py "
-                   "--only frag --seeds 1` and transcribe its table into the file as "
-                   "trace,allocator,fraction rows under the '# key: value' lines",
+        "made_by": "bench/python/run_all.py (PyTorch, a GPU): run "
+                   "`python3 bench/python/run_all.py --only frag --seeds 1` and transcribe "
+                   "its table into the file as trace,allocator,fraction rows under the "
+                   "'# key: value' lines",
     },
     {
         "name": "pool_ns_per_op",
@@ -97,6 +98,8 @@ def named(name):
 def number_label(value):
     """A bar's value: thousands with separators, smaller numbers to 4 significant digits."""
     return "{:,.0f}".format(value) if value >= 10000 else "%.4g" % value
+
+
 # bench_workload's rows that replay the pools' earlier cross-stream rule: an A/B the benchmark
 # keeps for its own history, not a choice a user has. In the data, not in the picture.
 LEFT_OUT_ROWS = ("pool-pre39", "vm_pool-pre39")
@@ -295,8 +298,8 @@ def load_all(data_dir):
         try:
             meta, rows = read_data(path, figure["columns"])
         except DataError as e:
-            errors.append("%s: %s. The data comes from %s." % (figure["name"], e,
-                                                                figure["made_by"]))
+            errors.append("%s: %s. The data comes from %s."
+                          % (figure["name"], e, figure["made_by"]))
             continue
         loaded.append((figure, meta, rows))
     return loaded, errors
@@ -340,7 +343,9 @@ def main(argv=None):
             path = os.path.join(args.out, figure["svg"])
             drawn.savefig(path, format="svg", metadata={"Date": None})
             plt.close(drawn)
-            print("wrote %s (%.1f KB)" % (os.path.relpath(path), os.path.getsize(path) / 1000))
+            shown = os.path.relpath(path)
+            print("wrote %s (%.1f KB)" % (path if shown.startswith("..") else shown,
+                                          os.path.getsize(path) / 1000))
     return 1 if errors else 0
 
 

@@ -11,6 +11,7 @@ writes nothing.
 draw: from the committed data it writes the three SVG files, each well-formed, under 100 KB,
 with its title and its caption (date, command) as text, and the same bytes on a second run.
 """
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -86,7 +87,8 @@ def checks(work):
     with open(os.path.join(bad, "pool_ns_per_op.csv"), "w", encoding="utf-8") as f:
         f.writelines(lines)
     status, _, err = run("--data", bad, "--out", out)
-    expected = "pool_ns_per_op.csv, line %d: 'fast' in column ns_per_op is not a number" % (row + 1)
+    expected = ("pool_ns_per_op.csv, line %d: 'fast' in column ns_per_op is not a number"
+                % (row + 1))
     check(status == 1 and expected in err, "a bad number: its file, line and cell named", err)
     with open(os.path.join(bad, "pool_ns_per_op.csv"), "w", encoding="utf-8") as f:
         f.write("# date: today\ntrace,allocator\npair_1MiB,pool\n")
@@ -105,9 +107,7 @@ def checks(work):
 
 
 def draw(work):
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("matplotlib") is None:
         print("SKIPPED: matplotlib is not installed (pip install matplotlib)")
         return
     outputs = []
@@ -129,8 +129,10 @@ def draw(work):
         for text in (TITLES[figure["name"]], "When: " + meta["date"],
                      "Reproduce: " + meta["command"]):
             check(text in words, "%s holds %r as text" % (figure["svg"], text), words)
-        with open(path, "rb") as first, open(os.path.join(outputs[1], figure["svg"]), "rb") as second:
-            check(first.read() == second.read(), "%s: the same bytes on a second run" % figure["svg"])
+        with open(path, "rb") as first:
+            with open(os.path.join(outputs[1], figure["svg"]), "rb") as second:
+                check(first.read() == second.read(),
+                      "%s: the same bytes on a second run" % figure["svg"])
 
 
 def main():

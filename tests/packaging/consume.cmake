@@ -85,7 +85,8 @@ elseif(MODE STREQUAL "install_defaults")
   set(prefix ${WORK_DIR}/prefix)
   packaging_run(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${cudamem_build} -G ${GENERATOR}
     -DCMAKE_CUDA_COMPILER=${CUDA_COMPILER} -C ${WORK_DIR}/dependencies.cmake)
-  packaging_capture_all(install_output ${CMAKE_COMMAND} --install ${cudamem_build} --prefix ${prefix})
+  packaging_capture_all(install_output
+                        ${CMAKE_COMMAND} --install ${cudamem_build} --prefix ${prefix})
   string(REGEX MATCHALL "Skipping libcudamem_c" skip_notes "${install_output}")
   list(LENGTH skip_notes skip_note_count)
   string(REGEX MATCH "-- Skipping libcudamem_c[^\n]*" skipped "${install_output}")
@@ -111,7 +112,8 @@ elseif(MODE STREQUAL "install_c_api")
   execute_process(COMMAND ${CMAKE_COMMAND} --install ${cudamem_build} --prefix ${prefix}
                   RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
   string(REGEX REPLACE "[ \n]+" " " out_joined "${out}")  # CMake wraps its messages
-  if(rc EQUAL 0 OR NOT out_joined MATCHES "libcudamem_c was asked for .* run cmake --build .* first")
+  if(rc EQUAL 0 OR
+     NOT out_joined MATCHES "libcudamem_c was asked for .* run cmake --build .* first")
     message(FATAL_ERROR "cmake --install before cmake --build exited ${rc} without saying to "
                         "build first:\n${out}")
   endif()
