@@ -7,7 +7,10 @@
 //                                      # device, i.e. the host-side cost of their bookkeeping
 //   options: --reps N (default 7), --trace NAME (only that trace), --only-pool (no peers),
 //            --only NAME (one of pool, vm_pool, arena: that row alone, for callgrind),
-//            --pool-cache-follows-use 0|1 (the pool row's pool_options::cache_follows_use)
+//            --pool-cache-follows-use 0|1 (the pool row's pool_options::cache_follows_use),
+//            --csv FILE (the results also as CSV, with the device, date and command line:
+//            what bench/plots/make_figures.py draws; its data file is bench/plots/data/
+//            pool_ns_per_op.csv)
 //   bench/nvtx_cost.sh BUILD_DIR      # the pool with and without its NVTX annotations
 //                                      # (bench_pool_nvtx_off: -DCUDAMEM_NVTX=0), interleaved
 //
@@ -33,6 +36,7 @@
 #include <cudamem/stream.hpp>
 #include <cudamem/vm_pool_resource.hpp>
 
+#include "csv_results.hpp"
 #include "peers.hpp"
 #include "traces.hpp"
 
@@ -53,6 +57,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -127,6 +132,7 @@ struct options {
   /// --pool-cache-follows-use 0|1: the pool row's pool_options::cache_follows_use (the A/B of
   /// that default; unset: the default).
   int pool_cache_follows_use = -1;
+  std::string csv_path;  ///< --csv FILE: the results as CSV too
 };
 
 options parse(int argc, char** argv) {
@@ -147,10 +153,12 @@ options parse(int argc, char** argv) {
     } else if (a == "--pool-cache-follows-use" && i + 1 < argc &&
                (std::strcmp(argv[i + 1], "0") == 0 || std::strcmp(argv[i + 1], "1") == 0)) {
       o.pool_cache_follows_use = std::atoi(argv[++i]);
+    } else if (a == "--csv" && i + 1 < argc) {
+      o.csv_path = argv[++i];
     } else {
       std::fprintf(stderr, "usage: bench_pool [--simulated] [--reps N] [--trace NAME] "
                            "[--only-pool] [--only pool|vm_pool|arena] "
-                           "[--pool-cache-follows-use 0|1]\n");
+                           "[--pool-cache-follows-use 0|1] [--csv FILE]\n");
       std::exit(2);
     }
   }
@@ -214,20 +222,54 @@ int main(int argc, char** argv) {
           : std::vector<std::string>{"pool", "vm_pool", "arena", "cudaMalloc", "cudaMallocAsync",
                                      "CUB", "thrust"};
   const auto wanted = [&](const char* row) { return opt.only_row.empty() || opt.only_row == row; };
+  // Opened before anything is measured: a path that cannot be written fails at once.
+  std::optional<csv_results> csv;
+  if (!opt.csv_path.empty()) {
+    csv.emplace(opt.csv_path, argc, argv);
+    if (!*csv) {
+      std::fprintf(stderr, "bench_pool: --csv: %s\n", csv->error().c_str());
+      return 2;
+    }
+  }
   std::size_t device_free = 0;
   std::size_t device_total = 0;
+  char device[512];
   if (opt.simulated) {
-    std::printf("bench_pool: simulated device (no GPU): host-side cost of the bookkeeping only\n");
+    std::snprintf(device, sizeof device,
+                  "simulated device (no GPU): host-side cost of the bookkeeping only");
   } else {
     cudaDeviceProp prop{};
     require(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
     require(cudaMemGetInfo(&device_free, &device_total), "cudaMemGetInfo");
-    std::printf("bench_pool: %s, %.1f GiB free of %.1f GiB, %u host threads\n", prop.name,
-                static_cast<double>(device_free) / GiB, static_cast<double>(device_total) / GiB,
-                std::thread::hardware_concurrency());
+    std::snprintf(device, sizeof device, "%s, %.1f GiB free of %.1f GiB, %u host threads",
+                  prop.name, static_cast<double>(device_free) / GiB,
+                  static_cast<double>(device_total) / GiB, std::thread::hardware_concurrency());
   }
-  std::printf("ns per operation, median of %d runs (mt16: wall time over all threads' ops)\n",
-              opt.reps);
+  std::printf("bench_pool: %s\n", device);
+  char measured[128];
+  std::snprintf(measured, sizeof measured,
+                "ns per operation, median of %d runs (mt16: wall time over all threads' ops)",
+                opt.reps);
+  std::printf("%s\n", measured);
+  if (csv) {
+    int runtime = 0;
+    int driver = 0;
+    static_cast<void>(cudaRuntimeGetVersion(&runtime));
+    static_cast<void>(cudaDriverGetVersion(&driver));  // 0 where there is no driver
+    static_cast<void>(cudaGetLastError());
+    char cuda[96];
+    if (driver == 0) {
+      std::snprintf(cuda, sizeof cuda, "runtime %d.%d, no driver", runtime / 1000,
+                    runtime % 1000 / 10);
+    } else {
+      std::snprintf(cuda, sizeof cuda, "runtime %d.%d, driver %d.%d", runtime / 1000,
+                    runtime % 1000 / 10, driver / 1000, driver % 1000 / 10);
+    }
+    csv->describe("measured", std::string("bench_pool: ") + measured);
+    csv->describe("device", device);
+    csv->describe("cuda", cuda);
+    csv->columns({"trace", "allocator", "ns_per_op"});
+  }
   if (opt.pool_cache_follows_use >= 0) {
     std::printf("pool row: pool_options::cache_follows_use = %s\n",
                 opt.pool_cache_follows_use == 1 ? "true" : "false");
@@ -337,6 +379,18 @@ int main(int argc, char** argv) {
       }
     }
     print_row(spec.name, names, results);
+    for (const std::string& n : names) {  // in the table's order; "-" cells have no row
+      if (csv && results.count(n) != 0) {
+        csv->row({spec.name, n}, results.at(n));
+      }
+    }
+  }
+  if (csv) {
+    if (!csv->finish()) {
+      std::fprintf(stderr, "bench_pool: --csv: %s\n", csv->error().c_str());
+      return 1;
+    }
+    std::printf("results written to %s\n", opt.csv_path.c_str());
   }
   return 0;
 }

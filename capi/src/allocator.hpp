@@ -266,6 +266,10 @@ class allocator {
     // (Asked each time: only a device's first allocation and stats() before it come here.)
     const int count =
         simulated ? simulated_devices : std::min(cudamem::device_count(), max_devices);
+    if (count == 0) {  // no GPU, no driver, a driver too old: CUDAMEM_ERROR_NO_DEVICE
+      throw cudamem::no_device_error(cudaErrorNoDevice,
+                                     "device " + std::to_string(device) + " requested");
+    }
     if (device < 0 || device >= count) {
       throw std::out_of_range("cudamem: device " + std::to_string(device) + " does not exist (" +
                               std::to_string(count) + (simulated ? " simulated" : "") +

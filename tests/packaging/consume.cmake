@@ -1,5 +1,5 @@
 # One packaging test: get cudamem one way (MODE), build the consumer project in a fresh
-# directory, run both consumers, and check what must (not) be there. Run by ctest in two steps,
+# directory, run its consumers, and check what must (not) be there. Run by ctest in two steps,
 #   cmake -D MODE=... -D STEP=build -D <the variables below> -P consume.cmake
 #   cmake -D MODE=... -D STEP=run   -D WORK_DIR=... -D EXPECTED_VERSION=... -P consume.cmake
 # because only the second touches the GPU: the build runs in parallel with everything, the run
@@ -7,9 +7,18 @@
 # a GPU test is measuring.
 #
 # STEP             build            get cudamem, configure and build the consumers
-#                  run              run the two consumers built by the build step
+#                  run              run the consumers built by the build step (consumers.txt)
 #
 # MODE             install          `cmake --install` the developer build tree, find_package
+#                                   (and find_package(cudamem_c) when that tree built the C
+#                                   library: then it must be installed, else it must not)
+#                  install_defaults `cmake -S . -B build && cmake --install build`: default
+#                                   options (tests on), nothing built; the install skips the
+#                                   C library with one status line, find_package
+#                  install_c_api    -DCUDAMEM_BUILD_C_API=ON: installing before building must
+#                                   fail saying to build first, and install nothing of it;
+#                                   then build, install, find_package(cudamem) and
+#                                   find_package(cudamem_c), and a C program
 #                  vcpkg            the steps of ports/cudamem/portfile.cmake, then find_package
 #                  add_subdirectory the source tree, add_subdirectory
 #                  fetchcontent     a tarball of the source tree, FetchContent
@@ -27,8 +36,10 @@ if(STEP STREQUAL "run")
       message(FATAL_ERROR "consume.cmake: ${var} is not set")
     endif()
   endforeach()
-  packaging_run_consumer(${consumer_build}/consumer_cpp consumer_cpp ${EXPECTED_VERSION})
-  packaging_run_consumer(${consumer_build}/consumer_cu consumer_cu ${EXPECTED_VERSION})
+  file(STRINGS ${WORK_DIR}/consumers.txt consumers)
+  foreach(consumer IN LISTS consumers)
+    packaging_run_consumer(${consumer_build}/${consumer} ${consumer} ${EXPECTED_VERSION})
+  endforeach()
   message(STATUS "packaging ${MODE}: consumers ran as expected")
   return()
 elseif(NOT STEP STREQUAL "build")
@@ -44,6 +55,7 @@ endforeach()
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
 set(consumer_args -DCMAKE_BUILD_TYPE=Release)
+set(consumers consumer_cpp consumer_cu)
 set(prefix_path ${PREFIX_PATH})
 # Lists (search paths, architectures) cannot pass through execute_process's argument list
 # intact, so they go to the configure steps in initial-cache files (cmake -C).
@@ -53,8 +65,68 @@ if(MODE STREQUAL "install")
   set(prefix ${WORK_DIR}/prefix)
   packaging_run(${CMAKE_COMMAND} --install ${BUILD_TREE} --prefix ${prefix})
   packaging_check_installed_tree(${prefix} share/cmake/cudamem "${SOURCE_DIR};${BUILD_TREE}")
+  # The developer tree installs the C library exactly when it has built it.
+  file(GLOB built_c_library ${BUILD_TREE}/capi/libcudamem_c.so.*)
+  if(built_c_library)
+    packaging_check_c_library(${prefix})
+    list(APPEND consumer_args -DCUDAMEM_CONSUME_C_API=ON)
+    list(APPEND consumers consumer_c)
+  else()
+    packaging_check_no_c_library(${prefix})
+  endif()
   list(PREPEND prefix_path ${prefix})
   list(APPEND consumer_args -DCUDAMEM_CONSUME=find_package)
+
+elseif(MODE STREQUAL "install_defaults")
+  # What a user who installs cudamem like any header-only library types: no options at all.
+  # The options' defaults are those of a top-level project (tests, examples, benchmarks on), so
+  # the configure finds what the tests need (PREFIX_PATH) and the CUDA compiler.
+  set(cudamem_build ${WORK_DIR}/cudamem-build)
+  set(prefix ${WORK_DIR}/prefix)
+  packaging_run(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${cudamem_build} -G ${GENERATOR}
+    -DCMAKE_CUDA_COMPILER=${CUDA_COMPILER} -C ${WORK_DIR}/dependencies.cmake)
+  packaging_capture_all(install_output
+                        ${CMAKE_COMMAND} --install ${cudamem_build} --prefix ${prefix})
+  string(REGEX MATCHALL "Skipping libcudamem_c" skip_notes "${install_output}")
+  list(LENGTH skip_notes skip_note_count)
+  string(REGEX MATCH "-- Skipping libcudamem_c[^\n]*" skipped "${install_output}")
+  if(NOT skip_note_count EQUAL 1 OR NOT skipped MATCHES "run cmake --build .* first\\.$")
+    message(FATAL_ERROR "the install did not say once, in one line, that it skipped the "
+                        "unbuilt C library and how to build it:\n${install_output}")
+  endif()
+  message(STATUS "the install said: ${skipped}")
+  packaging_check_installed_tree(${prefix} share/cmake/cudamem "${SOURCE_DIR};${cudamem_build}")
+  packaging_check_no_c_library(${prefix})
+  list(PREPEND prefix_path ${prefix})
+  list(APPEND consumer_args -DCUDAMEM_CONSUME=find_package)
+
+elseif(MODE STREQUAL "install_c_api")
+  # The C library asked for by name, alone: what the README says to do for C and ctypes.
+  set(cudamem_build ${WORK_DIR}/cudamem-build)
+  set(prefix ${WORK_DIR}/prefix)
+  packaging_run(${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${cudamem_build} -G ${GENERATOR}
+    -DCMAKE_BUILD_TYPE=Release -C ${WORK_DIR}/dependencies.cmake -DCUDAMEM_BUILD_TESTS=OFF
+    -DCUDAMEM_BUILD_EXAMPLES=OFF -DCUDAMEM_BUILD_BENCHMARKS=OFF -DCUDAMEM_BUILD_C_API=ON)
+  # Bad order: installing before building stops with one sentence saying to build first, and
+  # leaves nothing of the C library (no package config naming a missing library).
+  execute_process(COMMAND ${CMAKE_COMMAND} --install ${cudamem_build} --prefix ${prefix}
+                  RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  string(REGEX REPLACE "[ \n]+" " " out_joined "${out}")  # CMake wraps its messages
+  if(rc EQUAL 0 OR
+     NOT out_joined MATCHES "libcudamem_c was asked for .* run cmake --build .* first")
+    message(FATAL_ERROR "cmake --install before cmake --build exited ${rc} without saying to "
+                        "build first:\n${out}")
+  endif()
+  message(STATUS "installing before building: CMake said\n${out}")
+  packaging_check_no_c_library(${prefix})
+  file(REMOVE_RECURSE ${prefix})
+  packaging_run(${CMAKE_COMMAND} --build ${cudamem_build})
+  packaging_run(${CMAKE_COMMAND} --install ${cudamem_build} --prefix ${prefix})
+  packaging_check_installed_tree(${prefix} share/cmake/cudamem "${SOURCE_DIR};${cudamem_build}")
+  packaging_check_c_library(${prefix})
+  list(PREPEND prefix_path ${prefix})
+  list(APPEND consumer_args -DCUDAMEM_CONSUME=find_package -DCUDAMEM_CONSUME_C_API=ON)
+  list(APPEND consumers consumer_c)
 
 elseif(MODE STREQUAL "vcpkg")
   # What ports/cudamem/portfile.cmake makes vcpkg do, step by step (vcpkg itself is not
@@ -122,6 +194,8 @@ packaging_run(${CMAKE_COMMAND} -S ${CMAKE_CURRENT_LIST_DIR}/consumer -B ${consum
   -G ${GENERATOR} -DCMAKE_CUDA_COMPILER=${CUDA_COMPILER} -C ${WORK_DIR}/consumer.cmake
   ${consumer_args})
 packaging_run(${CMAKE_COMMAND} --build ${consumer_build})
+list(JOIN consumers "\n" consumer_lines)
+file(WRITE ${WORK_DIR}/consumers.txt "${consumer_lines}\n")  # what STEP=run runs
 
 if(MODE STREQUAL "add_subdirectory" OR MODE STREQUAL "fetchcontent")
   packaging_check_embedded(${consumer_build} ${WORK_DIR}/consumer-install)

@@ -31,6 +31,18 @@ function(packaging_capture out_var)
   set(${out_var} "${out}" PARENT_SCOPE)
 endfunction()
 
+# Runs a command and stores all it printed (standard output and error) in `out_var`; stops with
+# that output when it fails.
+function(packaging_capture_all out_var)
+  list(JOIN ARGN " " shown)
+  message(STATUS "running: ${shown}")
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "failed (${rc}): ${shown}\n${out}")
+  endif()
+  set(${out_var} "${out}" PARENT_SCOPE)
+endfunction()
+
 # An installed prefix must hold the headers and the package config under `config_dir`, and no
 # file in it may name a directory of the machine that built it (`forbidden_paths`): the tree
 # must work wherever it is copied to.
@@ -193,11 +205,29 @@ function(packaging_run_consumer program name expected_version)
   endif()
 endfunction()
 
-# A header-only install (the README's, the vcpkg port's) holds no compiled library: the C
-# library and its package config come only with -DCUDAMEM_BUILD_C_API=ON.
+# A header-only install (the README's, the vcpkg port's, one of a tree that did not build the C
+# library) holds no compiled library: the C library and its package config come only when it
+# was built (-DCUDAMEM_BUILD_C_API=ON, or the default AUTO with the tests, then cmake --build).
 function(packaging_check_no_c_library prefix)
   file(GLOB_RECURSE compiled ${prefix}/*cudamem_c*)
   if(compiled)
     message(FATAL_ERROR "a header-only install holds the C library: ${compiled}")
   endif()
+endfunction()
+
+# An install of a tree that built the C library holds all of it: the library (its versioned
+# file and the link a linker looks for), its header, and its own package, whose generated file
+# names the library (the consumer's find_package(cudamem_c) then proves the names resolve).
+function(packaging_check_c_library prefix)
+  file(GLOB library_files ${prefix}/lib*/libcudamem_c.so.*)
+  file(GLOB library_link ${prefix}/lib*/libcudamem_c.so)
+  file(GLOB package_config ${prefix}/lib*/cmake/cudamem_c/cudamem_cConfig.cmake)
+  if(NOT library_files OR NOT library_link OR NOT package_config
+     OR NOT EXISTS ${prefix}/include/cudamem_c.h)
+    file(GLOB_RECURSE installed ${prefix}/*cudamem_c*)
+    message(FATAL_ERROR "the install lacks part of the C library (libcudamem_c.so.*, "
+      "libcudamem_c.so, include/cudamem_c.h, lib/cmake/cudamem_c/cudamem_cConfig.cmake); "
+      "it holds: ${installed}")
+  endif()
+  message(STATUS "the C library is installed: ${library_files}; ${package_config}")
 endfunction()
