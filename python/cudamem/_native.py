@@ -11,8 +11,8 @@ import re
 import sys
 import threading
 
-from ._errors import (ConfigError, CudamemError, NoDeviceError, OutOfMemoryError,
-                      StateError)
+from ._errors import (ConfigError, CudamemError, NoDeviceError, OptionError,
+                      OutOfMemoryError, StateError)
 
 MAX_ALLOCATORS = 16
 
@@ -196,26 +196,27 @@ def function_address(name):
 
 
 def config_text(caller, resource, options, extra=None):
-    """The C configuration text for install()/pool(); wrong names and types raise TypeError
-    here, bad values ValueError (ConfigError) from the library."""
+    """The C configuration text for install()/pool(); wrong names and types raise OptionError
+    (a ConfigError and a TypeError) here, bad values ConfigError (a ValueError), here or from
+    the library."""
     if not isinstance(resource, str):
-        raise TypeError("%s: resource must be a str (vm_pool, pool or async), not %s"
-                        % (caller, type(resource).__name__))
+        raise OptionError("%s: resource must be a str (vm_pool, pool or async), not %s"
+                          % (caller, type(resource).__name__))
     items = ["resource=" + resource]
     for key, value in options.items():
         if key not in SIZE_OPTIONS:
-            raise TypeError("%s got an unexpected keyword argument %r (options: %s)"
-                            % (caller, key, ", ".join(SIZE_OPTIONS)))
+            raise OptionError("%s got an unexpected keyword argument %r (options: %s)"
+                              % (caller, key, ", ".join(SIZE_OPTIONS)))
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise TypeError("%s: %s must be an int (bytes) or a size string such as '4GiB', "
-                            "not %s" % (caller, key, type(value).__name__))
+            raise OptionError("%s: %s must be an int (bytes) or a size string such as "
+                              "'4GiB', not %s" % (caller, key, type(value).__name__))
         if isinstance(value, int) and value < 0:
-            raise ValueError("%s: %s must not be negative (%d)" % (caller, key, value))
+            raise ConfigError("%s: %s must not be negative (%d)" % (caller, key, value))
         text = str(value)
         if "," in text or "=" in text:
-            raise ValueError("%s: %s=%r is not a size" % (caller, key, value))
+            raise ConfigError("%s: %s=%r is not a size" % (caller, key, value))
         items.append("%s=%s" % (key, text))
     for key, value in (extra or {}).items():
         items.append("%s=%s" % (key, value))
