@@ -27,12 +27,12 @@ Contract
   Numba's EMM interface (version 1, numba-cuda 0.30.4) passes no stream to memalloc and none
   to a free, so both are made on the legacy default stream, the one stream every blocking
   stream is ordered with (numba.cuda.stream(), the default streams, per-thread ones too).
-  Memory Numba frees goes back to the pool at once; before the next allocation the plugin
-  records an event on the legacy default stream, which the GPU reaches only after all work
-  queued before on blocking streams, and later work on them waits for it: reused memory is
-  never written while a kernel of a blocking stream still uses it. Work on a non-blocking
-  stream (numba.cuda.external_stream of a PyTorch or CuPy stream) is not ordered so: finish
-  it (stream.synchronize()) before its arrays are dropped, or run it inside
+  Memory Numba frees goes back to the pool at once; the next allocation records an event on
+  the legacy default stream before Numba queues work on its memory: the GPU reaches it only
+  after all work queued before on blocking streams, and later work on them waits for it, so
+  reused memory is never written while a kernel of a blocking stream still uses it. Work on
+  a non-blocking stream (numba.cuda.external_stream of a PyTorch or CuPy stream) is not
+  ordered so: finish it (stream.synchronize()) before its arrays are dropped, or run it inside
   numba.cuda.defer_cleanup().
 - defer_cleanup(): while one is active (they nest), memory Numba frees is held, not given back;
   when the outermost exits, the context is synchronised (all streams) and the held memory goes
@@ -138,19 +138,25 @@ class _DeviceMemory:
         self.allocated = False      # reset() gives memory back only if there is any
 
     def allocate(self, size):
-        """`size` bytes in stream order after every free so far (see the contract)."""
+        """`size` bytes, ordered after every free before it (see the contract). The event goes
+        on the legacy default stream after the allocation and before Numba queues any work on
+        the memory, which is all the order needs. One lock around both a free (with its flag)
+        and an allocation (with its event): memory freed by another thread can only reach this
+        allocation if its flag is seen here; a free the garbage collector runs in this thread
+        meanwhile takes the (re-entrant) lock and sets the flag for the next allocation."""
         with self.lock:
+            try:
+                ptr = _native.allocate(0, size, self.device, None)
+            except _CudamemOutOfMemory as e:
+                raise OutOfMemoryError(str(e), size) from None
+            self.allocated = True
             if self.freed_since_event:
+                self.freed_since_event = False
                 if self.event is None:
                     self.event = _driver.driver.cuEventCreate(
                         _binding.CUevent_flags.CU_EVENT_DISABLE_TIMING)
                 _driver.driver.cuEventRecord(self.event, _LEGACY_STREAM)
-                self.freed_since_event = False
-            self.allocated = True
-        try:
-            return _native.allocate(0, size, self.device, None)
-        except _CudamemOutOfMemory as e:
-            raise OutOfMemoryError(str(e), size) from None
+            return ptr
 
     def free(self, ptr, size):
         """Numba let go of the allocation at ptr: back to the pool, or held."""
@@ -161,17 +167,18 @@ class _DeviceMemory:
             self._give_back(ptr, size)
 
     def _give_back(self, ptr, size):
+        """(Under the lock.) The memory back to the pool, flagged for the next allocation."""
         for fd in self.exported.pop(ptr, {}).get("fds", ()):
             try:
                 os.close(fd)
-            except OSError:  # noqa: PERF203 - ours, opened by ipc_export: nothing else to do
+            except OSError:  # ours, opened by ipc_export: nothing else can be done
                 pass
+        self.freed_since_event = True
         try:
             _native.deallocate(0, ptr, size, self.device, None)
         except CudamemError:
             if not _shutting_down():  # at exit the CUDA runtime may be gone before us
                 raise
-        self.freed_since_event = True
 
     @contextlib.contextmanager
     def deferred(self):

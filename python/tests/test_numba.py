@@ -615,7 +615,8 @@ def test_the_plugin_as_numba_calls_it_over_a_simulated_device():
         try:
             mm.memalloc(1 << 30)
         except driver.CudaAPIError as e:
-            print("oom", type(e).__name__, e.code == driver.binding.CUresult.CUDA_ERROR_OUT_OF_MEMORY,
+            oom = driver.binding.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+            print("oom", type(e).__name__, e.code == oom,
                   isinstance(e, cudamem.OutOfMemoryError), "Verdict: budget" in str(e))
         e = mm.memalloc(MiB)
         print("goes_on", in_use() == 3 * MiB)
