@@ -154,7 +154,7 @@ class _DeviceMemory:
                 self.freed_since_event = False
                 if self.event is None:
                     self.event = _driver.driver.cuEventCreate(
-                        _binding.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+                        int(_binding.CUevent_flags.CU_EVENT_DISABLE_TIMING))
                 _driver.driver.cuEventRecord(self.event, _LEGACY_STREAM)
             return ptr
 
