@@ -86,8 +86,9 @@ def test_arrays_and_kernels_on_several_streams(manager):
             results.append((k, s, out))
         ok = True
         for k, s, out in results:
-            ok &= bool((out.copy_to_host(stream=s) == 2 * np.arange(n, dtype=np.float32) + k).all())
+            host = out.copy_to_host(stream=s)
             s.synchronize()
+            ok &= bool((host == 2 * np.arange(n, dtype=np.float32) + k).all())
         print("streams", ok)
         s1, s2 = streams[0], streams[1]
         reused = 0
