@@ -261,8 +261,8 @@ class CudamemNumbaManager(_driver.HostOnlyCUDAMemoryManager):
         return _driver.MemoryInfo(free=available, total=total)
 
     def get_ipc_handle(self, memory):
-        owner = getattr(memory, "owner", None)
-        base = owner.device_pointer_value if owner is not None else None
+        owner = getattr(memory, "owner", None)  # the allocation under an array or a view
+        base = getattr(owner, "device_pointer_value", None)
         if base is None or self.allocations.get(base) is not owner:
             return self._foreign_ipc_handle(memory)
         shared = self._memory.export(base, owner.size)
