@@ -36,9 +36,10 @@ Contract
   numba.cuda.defer_cleanup().
 - defer_cleanup(): while one is active (they nest), memory Numba frees is held, not given back;
   when the outermost exits, the context is synchronised (all streams) and the held memory goes
-  back to the pool. reset() (numba.cuda.close()) frees what the context still holds and gives
-  wholly free memory back to the device, except inside defer_cleanup(). Numba's own
-  deferral of host-memory frees is kept (HostOnlyCUDAMemoryManager).
+  back to the pool. reset() (numba.cuda.close()) empties Numba's table of allocations, which
+  frees their memory as Numba's own manager does (arrays left are invalid; memory a live view
+  still holds is freed when the view goes), then gives wholly free memory back to the device,
+  except inside defer_cleanup(). Numba's deferral of host-memory frees is kept.
 - get_memory_info(): free is what cudamem can still hand out on the device: the device's free
   memory plus what the pools hold unused (reserved - in use), capped by limit_bytes; total is
   the device's.

@@ -172,6 +172,7 @@ def test_copies_views_host_memory_and_memory_info(manager):
                 del held
                 print("deferred", cudamem.stats()["in_use_bytes"] == in_use + (4 << 20))
             print("after_defer", cudamem.stats()["in_use_bytes"] == in_use)
+            del view                                 # (a view holds its base for good)
             cuda.close()                             # reset(): Numba's memory freed, given back
             print("reset", cudamem.stats(0)["in_use_bytes"] == 0,
                   cudamem.stats(0)["reserved_bytes"] < (1 << 30))
@@ -621,6 +622,12 @@ def test_the_plugin_as_numba_calls_it_over_a_simulated_device():
                   isinstance(e, cudamem.OutOfMemoryError), "Verdict: budget" in str(e))
         e = mm.memalloc(MiB)
         print("goes_on", in_use() == 3 * MiB)
+        for shared in (e, e.view(4096)):            # the allocation is found under a view too
+            try:
+                mm.get_ipc_handle(shared)
+            except cudamem.StateError as err:       # a simulated device exports nothing
+                print("ipc", "cannot export memory as POSIX file descriptors" in str(err))
+        del shared                                  # a view holds its allocation for good
         mm.reset()                                  # numba.cuda.close(): b, c and e with it
         print("reset", in_use() == 0, cudamem.stats(0)["reserved_bytes"] == 0, "destroy" in calls)
     """)
@@ -633,4 +640,5 @@ def test_the_plugin_as_numba_calls_it_over_a_simulated_device():
     assert "given_back True True" in out
     assert "oom OutOfMemoryError True True True" in out
     assert "goes_on True" in out
+    assert out.count("ipc True") == 2, out
     assert "reset True True True" in out
