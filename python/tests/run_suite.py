@@ -47,10 +47,8 @@ def gpu_count():
     return 0
 
 
-def pytest(files, env, markers=None):
+def pytest(files, env):
     command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"] + files
-    if markers:
-        command += ["-m", markers]
     print("+", " ".join(command), flush=True)
     return subprocess.run(command, env=env, cwd=TESTS).returncode
 
@@ -72,10 +70,9 @@ def main():
     if args.suite == "host":
         # (test_examples.py's programs need a GPU: the gpu suite runs them; here, only the check
         # that every example is covered.)
-        # (test_numba.py's GPU scenarios, marked gpu, run in the gpu suite.)
         return pytest(["test_native.py", "test_build_backend.py", "test_bench_placement.py",
-                       "test_examples.py::test_every_example_is_covered", "test_numba.py"],
-                      env, markers="not gpu")
+                       "test_examples.py::test_every_example_is_covered", "test_numba_host.py"],
+                      env)
     if args.suite == "gpu":
         if not any(importable(m) for m in ("torch", "cupy", "numba.cuda")):
             skip("none of PyTorch, CuPy and numba-cuda is installed for %s" % sys.executable)
