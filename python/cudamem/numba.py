@@ -416,7 +416,8 @@ def _refuse_if_too_late():
 
 
 def is_installed():
-    """Whether Numba's contexts are made with cudamem's manager (install() or by name)."""
+    """Whether Numba's contexts are made with cudamem's manager: after install(), or once
+    Numba has loaded it by name (NUMBA_CUDA_MEMORY_MANAGER, at its first context)."""
     return _installed or _driver._memory_manager is CudamemNumbaManager
 
 
