@@ -383,7 +383,7 @@ def install(resource="vm_pool", **options):
     """Makes cudamem Numba's memory manager (see the module's contract)."""
     global _installed
     with _lock:
-        _native.config_text("cudamem.numba.install()", resource, options)  # TypeError first
+        _native.config_text("cudamem.numba.install()", resource, options)  # names, types
         _refuse_if_too_late()
         _process.claim("cudamem.numba.install()", resource, options)
         if _driver._memory_manager is not CudamemNumbaManager:
