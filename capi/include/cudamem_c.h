@@ -161,6 +161,11 @@ CUDAMEM_C_API const char* cudamem_version(void);
 /* Why this thread's last failed call failed ("" if none). */
 CUDAMEM_C_API const char* cudamem_last_error(void);
 
+/* The calling thread's current CUDA device into *out (cudaGetDevice: the device of the context
+ * current on the thread, which PyTorch, CuPy and Numba each make current, else the one chosen
+ * by cudaSetDevice, else 0). No usable device: CUDAMEM_ERROR_NO_DEVICE. Creates no context. */
+CUDAMEM_C_API cudamem_status cudamem_current_device(int* out);
+
 /* A new allocator with `config` (may be NULL or ""); its id (1..CUDAMEM_MAX_ALLOCATORS-1) in
  * *out_id. Environment variables do not apply to it. */
 CUDAMEM_C_API cudamem_status cudamem_allocator_create(const char* config, int* out_id);

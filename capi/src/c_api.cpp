@@ -306,6 +306,17 @@ CUDAMEM_C_API const char* cudamem_last_error(void) {
   return text != nullptr ? text->c_str() : no_error_text;
 }
 
+CUDAMEM_C_API cudamem_status cudamem_current_device(int* out) {
+  return guarded([&] {
+    if (out == nullptr) {
+      throw std::invalid_argument("cudamem_current_device: out is NULL");
+    }
+    int device = -1;
+    cudamem::check(cudaGetDevice(&device), "cudamem_current_device");
+    *out = device;
+  });
+}
+
 CUDAMEM_C_API cudamem_status cudamem_allocator_create(const char* config, int* out_id) {
   return guarded([&] {
     if (out_id == nullptr) {

@@ -397,6 +397,21 @@ TEST_CASE("c api: version") {
   CHECK(std::string(cudamem_last_error()).empty());  // the last call succeeded
 }
 
+TEST_CASE("c api: current_device is the thread's device, or says there is none") {
+  CHECK(cudamem_current_device(nullptr) == CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK(last() == "cudamem_current_device: out is NULL");
+  int device = -1;
+  const cudamem_status s = cudamem_current_device(&device);
+  INFO(last());
+  if (s == CUDAMEM_OK) {  // a machine with a GPU: nothing was chosen on this thread
+    CHECK(device == 0);
+  } else {  // none: the status says so, and *out is untouched
+    CHECK(s == CUDAMEM_ERROR_NO_DEVICE);
+    CHECK(device == -1);
+    CHECK_THAT(last(), Catch::Contains("cudamem_current_device"));
+  }
+}
+
 namespace {
 std::vector<cudamem_segment> segments_of(int id, int device = 0) {
   std::size_t count = 0;

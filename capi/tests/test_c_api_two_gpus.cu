@@ -1,5 +1,6 @@
 // cudamem_c.h on two GPUs (skipped, exit 77, with fewer: tests/gpu/support/gpu_main.cpp):
-// cudamem_add_peer gives a device access to another's vm_pool memory, mapped before and after.
+// cudamem_add_peer gives a device access to another's vm_pool memory, mapped before and after;
+// cudamem_current_device follows cudaSetDevice.
 #include <cudamem_c.h>
 
 #include <gpu_test.hpp>
@@ -55,4 +56,14 @@ TEST_CASE("c api gpu: a peer reads and writes a vm_pool's memory once it was add
   CHECK(cudamem_deallocate(id, before, 8 * MiB, 0, nullptr) == CUDAMEM_OK);
   CHECK(cudamem_deallocate(id, after, 64 * MiB, 0, nullptr) == CUDAMEM_OK);
   CHECK(cudamem_allocator_destroy(id) == CUDAMEM_OK);
+}
+
+TEST_CASE("c api gpu: current_device is the device the thread chose") {
+  int device = -1;
+  REQUIRE(cudaSetDevice(1) == cudaSuccess);
+  CHECK(cudamem_current_device(&device) == CUDAMEM_OK);
+  CHECK(device == 1);
+  REQUIRE(cudaSetDevice(0) == cudaSuccess);
+  CHECK(cudamem_current_device(&device) == CUDAMEM_OK);
+  CHECK(device == 0);
 }

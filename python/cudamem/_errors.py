@@ -9,6 +9,11 @@ class ConfigError(CudamemError, ValueError):
     """A configuration, a device or a pointer that cudamem refuses; the message says which."""
 
 
+class OptionError(ConfigError, TypeError):
+    """An option install() or pool() does not take, or a value of the wrong type: a
+    ConfigError, and the TypeError Python raises for a bad keyword argument."""
+
+
 class StateError(CudamemError):
     """A call the allocator's state forbids (configuring it after its first allocation, ...)."""
 

@@ -11,8 +11,8 @@ import re
 import sys
 import threading
 
-from ._errors import (ConfigError, CudamemError, NoDeviceError, OutOfMemoryError,
-                      StateError)
+from ._errors import (ConfigError, CudamemError, NoDeviceError, OptionError,
+                      OutOfMemoryError, StateError)
 
 MAX_ALLOCATORS = 16
 
@@ -61,6 +61,22 @@ class Stats(ctypes.Structure):
         ("host_waits", ctypes.c_uint64),
         ("device_syncs", ctypes.c_uint64),
         ("bulk_declined", ctypes.c_uint64),
+    ]
+
+
+# cudamem_ipc_export.kind
+IPC_VMM, IPC_CUDA_MALLOC = 1, 2
+
+
+class IpcExport(ctypes.Structure):
+    """cudamem_ipc_export."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_size_t),
+        ("kind", ctypes.c_int32),
+        ("offset", ctypes.c_uint64),
+        ("handle_bytes", ctypes.c_uint64),
+        ("ipc_mem_handle", ctypes.c_ubyte * 64),
     ]
 
 
@@ -143,6 +159,14 @@ def _declare(l):
         "cudamem_get_stats": (c_int, [c_int, c_int, ctypes.POINTER(Stats)]),
         "cudamem_report": (c_int, [c_int, c_int, c_u64, c_void, c_size, ctypes.POINTER(c_size)]),
         "cudamem_last_oom_report": (c_int, [c_int, c_void, c_size, ctypes.POINTER(c_size)]),
+        "cudamem_current_device": (c_int, [ctypes.POINTER(c_int)]),
+        "cudamem_ipc_export_range": (c_int, [c_int, c_int, c_void, c_size,
+                                             ctypes.POINTER(IpcExport), ctypes.POINTER(c_int),
+                                             c_size, ctypes.POINTER(c_size)]),
+        "cudamem_ipc_import": (c_int, [c_int, ctypes.c_int32, ctypes.POINTER(c_int), c_size,
+                                       c_u64, ctypes.POINTER(c_void)]),
+        "cudamem_ipc_add_peer": (c_int, [c_void, c_int]),
+        "cudamem_ipc_unmap": (c_int, [c_void]),
     }
     for name, (restype, argtypes) in signatures.items():
         f = getattr(l, name)
@@ -172,26 +196,27 @@ def function_address(name):
 
 
 def config_text(caller, resource, options, extra=None):
-    """The C configuration text for install()/pool(); wrong names and types raise TypeError
-    here, bad values ValueError (ConfigError) from the library."""
+    """The C configuration text for install()/pool(); wrong names and types raise OptionError
+    (a ConfigError and a TypeError) here, bad values ConfigError (a ValueError), here or from
+    the library."""
     if not isinstance(resource, str):
-        raise TypeError("%s: resource must be a str (vm_pool, pool or async), not %s"
-                        % (caller, type(resource).__name__))
+        raise OptionError("%s: resource must be a str (vm_pool, pool or async), not %s"
+                          % (caller, type(resource).__name__))
     items = ["resource=" + resource]
     for key, value in options.items():
         if key not in SIZE_OPTIONS:
-            raise TypeError("%s got an unexpected keyword argument %r (options: %s)"
-                            % (caller, key, ", ".join(SIZE_OPTIONS)))
+            raise OptionError("%s got an unexpected keyword argument %r (options: %s)"
+                              % (caller, key, ", ".join(SIZE_OPTIONS)))
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise TypeError("%s: %s must be an int (bytes) or a size string such as '4GiB', "
-                            "not %s" % (caller, key, type(value).__name__))
+            raise OptionError("%s: %s must be an int (bytes) or a size string such as "
+                              "'4GiB', not %s" % (caller, key, type(value).__name__))
         if isinstance(value, int) and value < 0:
-            raise ValueError("%s: %s must not be negative (%d)" % (caller, key, value))
+            raise ConfigError("%s: %s must not be negative (%d)" % (caller, key, value))
         text = str(value)
         if "," in text or "=" in text:
-            raise ValueError("%s: %s=%r is not a size" % (caller, key, value))
+            raise ConfigError("%s: %s=%r is not a size" % (caller, key, value))
         items.append("%s=%s" % (key, text))
     for key, value in (extra or {}).items():
         items.append("%s=%s" % (key, value))
@@ -268,6 +293,52 @@ def report(allocator_id, device, nbytes=0):
 
 def last_oom_report(allocator_id):
     return _text(lambda b, n, need: lib().cudamem_last_oom_report(allocator_id, b, n, need))
+
+
+def current_device():
+    """The calling thread's CUDA device, as the CUDA runtime says (NoDeviceError: none)."""
+    out = ctypes.c_int(-1)
+    _check(lib().cudamem_current_device(ctypes.byref(out)))
+    return out.value
+
+
+def ipc_export(allocator_id, device, ptr, nbytes):
+    """The memory under [ptr, ptr + nbytes) in a form another process maps: a dict with kind
+    (IPC_VMM or IPC_CUDA_MALLOC), offset, handle_bytes, ipc_mem_handle (64 bytes) and fds (VMM:
+    descriptors the caller owns and closes)."""
+    out = IpcExport()
+    out.struct_size = ctypes.sizeof(IpcExport)
+    needed = ctypes.c_size_t(0)
+    capacity = 64
+    while True:
+        fds = (ctypes.c_int * capacity)()
+        status = lib().cudamem_ipc_export_range(allocator_id, device, ptr, nbytes,
+                                                ctypes.byref(out), fds, capacity,
+                                                ctypes.byref(needed))
+        if status == _INVALID_ARGUMENT and needed.value > capacity:
+            capacity = needed.value  # more handles than room: nothing was left open
+            continue
+        _check(status)
+        return {"kind": out.kind, "offset": out.offset, "handle_bytes": out.handle_bytes,
+                "ipc_mem_handle": bytes(out.ipc_mem_handle),
+                "fds": [fds[i] for i in range(needed.value)]}
+
+
+def ipc_import(device, pid, fds, handle_bytes):
+    """Maps on `device` the handles process `pid` exported as `fds`; the base address."""
+    numbers = (ctypes.c_int * len(fds))(*fds)
+    base = ctypes.c_void_p(0)
+    _check(lib().cudamem_ipc_import(device, pid, numbers, len(fds), handle_bytes,
+                                    ctypes.byref(base)))
+    return base.value
+
+
+def ipc_add_peer(base, peer):
+    _check(lib().cudamem_ipc_add_peer(base, peer))
+
+
+def ipc_unmap(base):
+    _check(lib().cudamem_ipc_unmap(base))
 
 
 def version():

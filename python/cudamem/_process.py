@@ -1,5 +1,8 @@
-"""Allocator 0, the process-wide one, shared by cudamem.torch.install() and
-cudamem.cupy.install(): the first install configures it, later ones must agree with it."""
+"""Allocator 0, the process-wide one, shared by cudamem.torch.install(),
+cudamem.cupy.install() and cudamem.numba.install(): the first install configures it, later
+ones must agree with it. Numba can also load cudamem.numba by name (NUMBA_CUDA_MEMORY_MANAGER)
+with no install() at all: then allocator 0 keeps what the CUDAMEM_* environment variables
+say, and is adopted as set up by that first use (adopt_environment)."""
 import threading
 
 from . import _native
@@ -34,3 +37,17 @@ def settings():
     """(resource, options) of the first install, or None."""
     with _lock:
         return _settings
+
+
+def adopt_environment(caller):
+    """Marks allocator 0 as set up by `caller` with the configuration in force (defaults and
+    CUDAMEM_* environment variables), unless an install() set it up already. Later installs
+    must then ask for its resource and no other options, as after a first install() that
+    passed none."""
+    global _settings, _first_caller
+    with _lock:
+        if _settings is not None:
+            return
+        config = dict(item.split("=", 1) for item in _native.describe(0).split(", "))
+        _settings = (config["resource"], {})
+        _first_caller = caller

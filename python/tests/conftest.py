@@ -28,6 +28,18 @@ def _cuda_devices():
     return int(done.stdout.strip() or 0) if done.returncode == 0 else 0
 
 
+def _numba_cuda():
+    """(whether numba-cuda is importable, CUDA devices as Numba sees them), asked in a child
+    (Numba binds its memory manager when it makes a context: none is made in this process)."""
+    probe = ("import numba.cuda as c\n"
+             "print(c.implementation, len(c.gpus) if c.is_available() else 0)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    words = done.stdout.split()
+    if done.returncode != 0 or len(words) != 2 or words[0] != "NVIDIA":
+        return False, 0
+    return True, int(words[1])
+
+
 HAS_TORCH = _has_module("torch")
 HAS_CUPY = _has_module("cupy")
 CUDA_DEVICES = _cuda_devices() if HAS_TORCH else 0
@@ -38,6 +50,13 @@ needs_torch_gpu = pytest.mark.skipif(
                                                      "no CUDA device"))
 needs_cupy_gpu = pytest.mark.skipif(not HAS_CUPY or CUDA_DEVICES == 0,
                                     reason="needs CuPy and a CUDA device")
+HAS_NUMBA_CUDA, NUMBA_DEVICES = _numba_cuda()
+needs_numba = pytest.mark.skipif(not HAS_NUMBA_CUDA,
+                                 reason="needs numba-cuda (pip install numba-cuda)")
+needs_numba_gpu = pytest.mark.skipif(
+    not HAS_NUMBA_CUDA or NUMBA_DEVICES == 0,
+    reason="needs numba-cuda and a CUDA device (%s)" % ("no numba-cuda" if not HAS_NUMBA_CUDA
+                                                        else "no CUDA device"))
 
 
 def start_python(code, env=None):

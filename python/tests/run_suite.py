@@ -1,17 +1,18 @@
 """What ctest runs for the Python package (registered in capi/tests/CMakeLists.txt):
 
     run_suite.py host  --library LIB   the ctypes layer over simulated devices (no GPU), the
-                                       build backend's checks; the examples' GPU runs skip
-    run_suite.py gpu   --library LIB   PyTorch and CuPy on the GPU; the examples and the
+                                       build backend's checks, cudamem.numba's GPU-free tests
+                                       (bad input; the plugin over a simulated device)
+    run_suite.py gpu   --library LIB   PyTorch, CuPy and Numba on the GPU; the examples and the
                                        README's snippet against the installed wheel
     run_suite.py wheel --work DIR      `pip wheel ./python` (and its one-sentence errors for a
                                        missing GSL or CUDA Toolkit), installed into a fresh
                                        virtual environment in DIR with no compiler and no GSL
                                        on its paths, imported from there, its host tests run
 
-Prints "SKIPPED: <why>" and exits 0 when what a suite needs is missing (pytest; PyTorch or
-CuPy and a GPU; pip, venv, scikit-build-core), which ctest reports as skipped, never as
-passed.
+Prints "SKIPPED: <why>" and exits 0 when what a suite needs is missing (pytest; PyTorch,
+CuPy or numba-cuda, and a GPU; pip, venv, scikit-build-core), which ctest reports as skipped,
+never as passed.
 """
 import argparse
 import os
@@ -37,7 +38,8 @@ def importable(name):
 
 def gpu_count():
     probes = ["import torch; print(torch.cuda.device_count())",
-              "import cupy; print(cupy.cuda.runtime.getDeviceCount())"]
+              "import cupy; print(cupy.cuda.runtime.getDeviceCount())",
+              "import numba.cuda as c; print(len(c.gpus) if c.is_available() else 0)"]
     for probe in probes:
         done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
         if done.returncode == 0 and done.stdout.strip().isdigit():
@@ -69,14 +71,15 @@ def main():
         # (test_examples.py's programs need a GPU: the gpu suite runs them; here, only the check
         # that every example is covered.)
         return pytest(["test_native.py", "test_build_backend.py", "test_bench_placement.py",
-                       "test_examples.py::test_every_example_is_covered"], env)
+                       "test_examples.py::test_every_example_is_covered", "test_numba_host.py"],
+                      env)
     if args.suite == "gpu":
-        if not importable("torch") and not importable("cupy"):
-            skip("neither PyTorch nor CuPy is installed for %s" % sys.executable)
+        if not any(importable(m) for m in ("torch", "cupy", "numba.cuda")):
+            skip("none of PyTorch, CuPy and numba-cuda is installed for %s" % sys.executable)
         if gpu_count() == 0:
             skip("no CUDA device")
-        return pytest(["test_torch.py", "test_torch_compat.py", "test_cupy.py", "test_examples.py"],
-                      env)
+        return pytest(["test_torch.py", "test_torch_compat.py", "test_cupy.py", "test_numba.py",
+                       "test_examples.py"], env)
     return wheel_suite(args.work, env)
 
 
@@ -158,10 +161,11 @@ def check_wheel_contents(wheel):
 
 def make_venv(venv):
     """A fresh virtual environment (no pip) that sees this interpreter's packages (pytest,
-    PyTorch) but nothing of this checkout. `--system-site-packages` gives the *base*
-    interpreter's packages only: when this interpreter is itself a virtual environment (PyTorch
-    often lives in one), its site-packages are added after the new environment's own by a .pth
-    file, so that what is installed into the new environment comes first."""
+    PyTorch, CuPy, Numba) but nothing of this checkout. `--system-site-packages` gives the
+    *base* interpreter's packages only: when this interpreter is itself a virtual environment
+    (PyTorch often lives in one), its site-packages are added after the new environment's own by
+    a .pth file, so that what is installed into the new environment comes first. They are added
+    as site directories, their own .pth files read: numba-cuda takes over numba.cuda by one."""
     done = run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", venv])
     if done.returncode != 0 or sys.prefix == sys.base_prefix:
         return done
@@ -170,7 +174,7 @@ def make_venv(venv):
                              stdout=subprocess.PIPE, text=True, check=True).stdout.strip()
     parents = [p for p in site.getsitepackages() if os.path.isdir(p)]
     with open(os.path.join(purelib, "_cudamem_test_parent_env.pth"), "w") as pth:
-        pth.write("".join(p + "\n" for p in parents))
+        pth.write("".join("import site; site.addsitedir(%r)\n" % p for p in parents))
     return done
 
 

@@ -1,9 +1,10 @@
 """The Python examples (examples/python/*.py) and the README's Python snippet, run as their
 documentation says: `pip install ./python` (here: the wheel `pip wheel ./python` builds,
-installed into a fresh virtual environment that sees this interpreter's PyTorch), then
-`python3 examples/python/<name>.py` from the checkout's root, with nothing of the checkout on
-the path. Those are skipped (never passed) without PyTorch or a CUDA device; the check that
-every example is covered and uses the installed package runs anywhere."""
+installed into a fresh virtual environment that sees this interpreter's PyTorch, CuPy and
+Numba), then `python3 examples/python/<name>.py` from the checkout's root, with nothing of the
+checkout on the path. Those are skipped (never passed) without what they use (PyTorch; CuPy and
+numba-cuda for three_libraries.py) or a CUDA device; the check that every example is covered
+and uses the installed package runs anywhere."""
 import glob
 import os
 import re
@@ -11,7 +12,8 @@ import subprocess
 
 import pytest
 
-from conftest import needs_torch_gpu
+from conftest import (CUDA_DEVICES, HAS_CUPY, HAS_NUMBA_CUDA, HAS_TORCH, NUMBA_DEVICES,
+                      needs_torch_gpu)
 
 import run_suite
 
@@ -55,7 +57,7 @@ def test_every_example_is_covered():
     """Runs anywhere: each example is checked below, documented as it is run there, and uses
     the installed package (the examples used to put the checkout's python/ first)."""
     names = sorted(os.path.basename(p) for p in EXAMPLES)
-    assert names == ["explain_oom.py", "fragmenting_loop.py"], (
+    assert names == ["explain_oom.py", "fragmenting_loop.py", "three_libraries.py"], (
         "a new example needs its checks in test_examples.py: %s" % names)
     for path in EXAMPLES:
         with open(path) as f:
@@ -90,6 +92,21 @@ def test_fragmenting_loop(installed):
     assert set(ran) == {"PyTorch's allocator", "cudamem.torch.install()"}, out
     assert all(int(n) > 0 for n in ran.values()), out
     assert re.search(r"cudamem holds [\d.]+ GiB, [\d.]+ GiB in use", out), out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (HAS_TORCH and HAS_CUPY and HAS_NUMBA_CUDA)
+                    or min(CUDA_DEVICES, NUMBA_DEVICES) == 0,
+                    reason="needs PyTorch, CuPy, numba-cuda and a CUDA device")
+def test_three_libraries(installed):
+    out = run_program(installed,
+                      os.path.join(REPO_ROOT, "examples", "python", "three_libraries.py"))
+    held = dict(re.findall(r"(PyTorch|CuPy|Numba) +holds +([\d.]+) MiB", out))
+    assert held == {"PyTorch": "64.0", "CuPy": "32.0", "Numba": "16.0"}, out
+    assert "its weights are 2.0" in out and "its scratch is 6.0" in out, out  # the kernel ran
+    in_use = [float(m) for m in re.findall(r"([\d.]+) MiB in use by all three", out)]
+    assert len(in_use) == 2 and in_use[0] >= 112 and in_use[1] >= 112 + 4096, out
+    assert "took the memory PyTorch freed: yes" in out, out
 
 
 def readme_python_snippet():

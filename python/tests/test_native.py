@@ -1,4 +1,9 @@
 """The ctypes layer over libcudamem_c, on simulated devices: runs anywhere, no GPU needed."""
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 import cudamem
@@ -121,6 +126,54 @@ def test_config_text_checks_names_and_types_in_python():
     with pytest.raises(ValueError, match="bulk_handle_bytes=6291456 .* must be 0 or a multiple "
                                          "of the handle size"):
         _native.create(_native.config_text("f()", "vm_pool", {"bulk_handle_bytes": "6MiB"}))
+
+
+def test_every_bad_option_is_a_config_error():
+    # One type to catch for a bad configuration; a wrong name or type is also a TypeError, as
+    # Python's own for a bad keyword argument, a bad value also a ValueError.
+    for options in ({"limit": 1}, {"limit_bytes": 1.5}, {"limit_bytes": -1}):
+        with pytest.raises(cudamem.ConfigError):
+            _native.config_text("f()", "pool", options)
+    with pytest.raises(cudamem.ConfigError):
+        _native.config_text("f()", 3, {})
+    with pytest.raises(cudamem.ConfigError):
+        _native.create(_native.config_text("f()", "heap", {}))
+    with pytest.raises(cudamem.ConfigError) as raised:
+        _native.config_text("f()", "pool", {"limit": 1})
+    assert isinstance(raised.value, TypeError) and isinstance(raised.value, ValueError)
+
+
+def test_cudamem_stats_is_the_process_wide_allocators():
+    # Allocator 0 over a simulated device (the environment configures it: a fresh process, with
+    # the package this one imports, installed or not).
+    code = textwrap.dedent("""
+        import cudamem
+        from cudamem import _native
+        p = _native.allocate(0, 3 << 20, 0, None)
+        print("counted", cudamem.stats(0)["in_use_bytes"] == 3 << 20,
+              cudamem.stats(device=0) == _native.stats(0, 0))
+        for bad in ("0", 1.5, True, None.__class__):
+            try:
+                cudamem.stats(bad)
+            except TypeError as e:
+                print("TypeError", str(e))
+        try:
+            cudamem.stats(99)
+        except cudamem.ConfigError as e:
+            print("ConfigError", "device 99 does not exist" in str(e))
+        try:
+            print("current", cudamem.stats()["device"])   # a GPU: this thread's device, 0
+        except cudamem.NoDeviceError as e:
+            print("current", "no usable CUDA device" in str(e))
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, CUDAMEM_SIMULATE_BYTES="4GiB"), timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "counted True True" in out
+    assert out.count("TypeError cudamem.stats: device must be an int") == 4, out
+    assert "ConfigError True" in out
+    assert "current 0" in out or "current True" in out
 
 
 def test_keep_free_bytes_is_configured_and_described():
