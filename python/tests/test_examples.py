@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from conftest import (CUDA_DEVICES, HAS_CUPY, HAS_NUMBA_CUDA, HAS_TORCH, NUMBA_DEVICES,
-                      needs_torch_gpu)
+                      NUMPY_COMPAT, needs_torch_gpu)
 
 import run_suite
 
@@ -40,6 +40,8 @@ def installed(tmp_path_factory):
     where = subprocess.run([python, "-c", "import cudamem._native as n; print(n.__file__)"],
                            env=env, cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert os.path.realpath(where.stdout.strip()).startswith(os.path.realpath(venv))
+    if NUMPY_COMPAT:  # numba-cuda's incompatibility with this NumPy (conftest.py says so)
+        env = dict(env, PYTHONPATH=NUMPY_COMPAT)
     return python, env
 
 
