@@ -49,8 +49,12 @@
 
 namespace cudamem {
 
-/// What a line records: an allocation (`A`), a free (`F`), or an allocation that failed (`O`).
-enum class log_event_kind : char { allocate = 'A', free = 'F', out_of_memory = 'O' };
+/// What a line records.
+enum class log_event_kind : char {
+  allocate = 'A',       ///< an allocation
+  free = 'F',           ///< a free
+  out_of_memory = 'O',  ///< an allocation that failed
+};
 
 /// One line of the log.
 struct log_event {
