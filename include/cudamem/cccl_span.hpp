@@ -67,7 +67,7 @@ template <class T>
   return cuda::std::span<const T>(b.data(), b.size());
 }
 template <class T>
-cuda::std::span<T> as_span(device_buffer<T>&&) = delete;  // a view of a buffer about to die
+cuda::std::span<T> as_span(device_buffer<T>&&) = delete;  ///< a view of a buffer about to die
 
 // --- mdspans -----------------------------------------------------------------------------------
 
@@ -137,6 +137,6 @@ template <class Layout = cuda::std::layout_right, class T, class... Args>
   return as_mdspan<Layout>(b.span(), args...);
 }
 template <class Layout = cuda::std::layout_right, class T, class... Args>
-void as_mdspan(device_buffer<T>&&, const Args&...) = delete;  // a view of a buffer about to die
+void as_mdspan(device_buffer<T>&&, const Args&...) = delete;  ///< a view of a buffer about to die
 
 }  // namespace cudamem

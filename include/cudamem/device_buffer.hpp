@@ -127,7 +127,7 @@ class device_buffer {
     }
   }
 
-  device_buffer(const device_buffer&) = delete;             // copies are explicit: clone()
+  device_buffer(const device_buffer&) = delete;             ///< copies are explicit: clone()
   device_buffer& operator=(const device_buffer&) = delete;
 
   /// Takes `other`'s memory, resource and stream; `other` is left empty.

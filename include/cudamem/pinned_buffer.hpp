@@ -111,7 +111,7 @@ class pinned_buffer {
     }
   }
 
-  pinned_buffer(const pinned_buffer&) = delete;  // copies are explicit: clone()
+  pinned_buffer(const pinned_buffer&) = delete;  ///< copies are explicit: clone()
   pinned_buffer& operator=(const pinned_buffer&) = delete;
 
   /// Takes `other`'s memory, resource and stream; `other` is left empty.
