@@ -141,7 +141,7 @@ static_assert(std::is_trivially_copyable_v<ipc_pointer>);
 class ipc_pool_resource final : public memory_resource {
  public:
   /// A shareable pool of its own on `options.device`; throws cuda_error on a device whose pools
-  /// cannot be shared.
+  /// cannot export POSIX file descriptors.
   explicit ipc_pool_resource(ipc_pool_options options = {})
       : memory_resource(memory_kind::device, detail::resolve_device(options.device)) {
     const device_guard on{device()};

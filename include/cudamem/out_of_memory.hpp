@@ -31,7 +31,7 @@ namespace cudamem {
 /// A request a resource could not meet; see the contract above.
 class out_of_memory : public std::bad_alloc {
  public:
-  /// The failure `report` explains; what() is its text (memory_report::to_text()).
+  /// A failure, explained by `report`; what() is its text (memory_report::to_text()).
   explicit out_of_memory(memory_report report)
       : report_(std::move(report)), what_(report_.to_text()) {}
 

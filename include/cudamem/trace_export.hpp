@@ -46,7 +46,7 @@
 
 namespace cudamem {
 
-/// A Chrome trace being written: counter samples of memory over time, as Trace Event JSON.
+/// A Chrome trace being built: memory over time per track, and out-of-memory markers.
 class chrome_trace {
  public:
   /// One point of a track's counter: bytes in use (and reserved, if known) at `t_ns`.
