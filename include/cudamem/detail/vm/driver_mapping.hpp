@@ -65,6 +65,7 @@ namespace cudamem {
 /// and WSL set-ups). Use pool_resource over device memory there instead.
 class vm_not_supported_error : public cuda_error {
  public:
+  /// `device` has no VMM; what() says to use pool_resource over device_resource there.
   explicit vm_not_supported_error(int device,
                                   std::source_location where = std::source_location::current())
       : cuda_error(cudaErrorNotSupported,
@@ -74,6 +75,7 @@ class vm_not_supported_error : public cuda_error {
                        "pool_resource over device_resource instead",
                    where),
         device_(device) {}
+  /// The device without VMM support.
   [[nodiscard]] int device() const noexcept { return device_; }
 
  private:
