@@ -1,4 +1,5 @@
-"""The cost of a large tensor made in memory that frees left in pieces (issue 37, item 3):
+"""The cost of a large tensor made in memory that frees left in pieces (the target: at most
+1.2x the time of PyTorch's default allocator):
     python3 bench/python/cold_holes.py default|cudamem
     CUDAMEM_HANDLE_BYTES=32MiB python3 bench/python/cold_holes.py cudamem
 fills the device, all but 6 GiB, with 64 MiB tensors (each timed), frees every other one, then

@@ -4,7 +4,7 @@ torch.cuda.empty_cache() does not help. The same loop, run twice in fresh proces
 PyTorch's own allocator, then with one line added, cudamem.torch.install() — prints how far
 each got.
 
-    pip install ./python                          # once (the README: "From PyTorch and CuPy")
+    pip install ./python                  # once (the README: "From PyTorch, CuPy and Numba")
     python3 examples/python/fragmenting_loop.py
 
 It uses the installed package, as any program would: PyTorch and a CUDA device are needed.

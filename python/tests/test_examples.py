@@ -112,10 +112,10 @@ def test_three_libraries(installed):
 
 
 def readme_python_snippet():
-    """The first ```python block of the README's "From PyTorch and CuPy" section."""
+    """The first ```python block of the README's "From PyTorch, CuPy and Numba" section."""
     with open(os.path.join(REPO_ROOT, "README.md")) as f:
         readme = f.read()
-    section = readme[readme.index("## From PyTorch and CuPy"):]
+    section = readme[readme.index("## From PyTorch, CuPy and Numba"):]
     return re.search(r"\n```python\n(.*?)\n```\n", section, re.S).group(1)
 
 

@@ -31,7 +31,7 @@
 //   context, so a record owed on it can always be made later, while a stream of the user's
 //   might be gone by then. It is the stream a PyTorch or CuPy program uses unless it asks for
 //   another, and there frees come hundreds of times per training step: an eager record cost
-//   ~1 µs of the host thread that launches the kernels, each time (issue 37; 0.3 ms a step).
+//   ~1 µs of the host thread that launches the kernels, each time (0.3 ms a training step).
 //   Records owed are made before a stream is captured into a graph
 //   (cudamem::prepare_for_graph_capture, which cudamem's PyTorch allocator calls): no event
 //   can be recorded on the legacy stream while another is captured.
