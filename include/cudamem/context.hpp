@@ -14,7 +14,7 @@
 // Why own contexts. A context holds device memory for itself (hundreds of MiB for code,
 // local memory, printf and malloc heaps) plus every allocation made in it. Created raw and
 // skipped by an exception, it keeps all of it until the process exits: the device reports
-// that memory as used by a process that looks idle (seed 003). `context` destroys it on every
+// that memory as used by a process that looks idle. `context` destroys it on every
 // path.
 //
 // Contract

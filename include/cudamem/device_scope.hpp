@@ -15,7 +15,7 @@
 //   cudamem::memory_check check = scope.close();
 //   if (!check.ok()) std::printf("%zu bytes not returned\n", check.missing_bytes());
 //
-// Why. Seed 003: memory held after the work is done — owners that were never destroyed,
+// Why: memory held after the work is done — owners that were never destroyed,
 // contexts left behind, a cudaDeviceReset expected to clean up after an exception. A scope
 // that owns what was made in it, waits for the device, and then *measures* whether the memory
 // came back turns "no processes running but the GPU is full" into a message naming the scope.
