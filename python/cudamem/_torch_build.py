@@ -25,8 +25,13 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE_DIR = os.path.join(HERE, "_torch")
-SOURCES = ["torch_allocator.cpp", "capture_order.hpp", "graph_pool.hpp", "snapshot_layout.hpp",
-           "stats.hpp", "trace_ring.hpp"]
+# Every file the allocator is compiled from (the build's key hashes them; the wheel holds them):
+# the translation unit, its parts over PyTorch, and the PyTorch-free parts.
+SOURCES = ["torch_allocator.cpp", "torch_interface.hpp", "chunk_sources.hpp",
+           "allocator_class.hpp", "allocator_malloc.hpp", "allocator_frees.hpp",
+           "allocator_stats.hpp", "allocator_pools.hpp", "allocator_history.hpp",
+           "allocator_snapshot.hpp", "allocator_ipc.hpp", "capture_order.hpp", "graph_pool.hpp",
+           "snapshot_layout.hpp", "stats.hpp", "trace_ring.hpp"]
 SECONDS = 10  # what a build takes, about (4-6 s measured on 2 cores), said before it starts
 
 

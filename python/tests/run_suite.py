@@ -133,10 +133,15 @@ def check_missing_prerequisites(work, env):
 
 # What the PyTorch allocator is compiled from at the first install() (cudamem/_torch_build.py):
 # the only sources a wheel holds. No header of cudamem's C++ library or of GSL.
-TORCH_ALLOCATOR_SOURCES = {"cudamem/_torch/torch_allocator.cpp", "cudamem/_torch/capture_order.hpp",
-                           "cudamem/_torch/graph_pool.hpp",
-                           "cudamem/_torch/snapshot_layout.hpp", "cudamem/_torch/stats.hpp",
-                           "cudamem/_torch/trace_ring.hpp", "cudamem/include/cudamem_c.h"}
+TORCH_ALLOCATOR_SOURCES = {
+    "cudamem/_torch/torch_allocator.cpp", "cudamem/_torch/torch_interface.hpp",
+    "cudamem/_torch/chunk_sources.hpp", "cudamem/_torch/allocator_class.hpp",
+    "cudamem/_torch/allocator_malloc.hpp", "cudamem/_torch/allocator_frees.hpp",
+    "cudamem/_torch/allocator_stats.hpp", "cudamem/_torch/allocator_pools.hpp",
+    "cudamem/_torch/allocator_history.hpp", "cudamem/_torch/allocator_snapshot.hpp",
+    "cudamem/_torch/allocator_ipc.hpp", "cudamem/_torch/capture_order.hpp",
+    "cudamem/_torch/graph_pool.hpp", "cudamem/_torch/snapshot_layout.hpp",
+    "cudamem/_torch/stats.hpp", "cudamem/_torch/trace_ring.hpp", "cudamem/include/cudamem_c.h"}
 
 
 def check_wheel_contents(wheel):
