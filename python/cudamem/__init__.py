@@ -9,9 +9,9 @@
 PyTorch and CuPy are imported only by their submodules, and needed only to use them.
 """
 from ._errors import (ConfigError, CudamemError, NoDeviceError, OutOfMemoryError,
-                      StateError)
+                      StateError, TorchAllocatorError)
 
 __version__ = "0.1.0"
 
 __all__ = ["ConfigError", "CudamemError", "NoDeviceError", "OutOfMemoryError", "StateError",
-           "__version__"]
+           "TorchAllocatorError", "__version__"]

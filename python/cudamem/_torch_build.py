@@ -234,9 +234,8 @@ def _failure(install, compiler, stderr):
     the supported ones, that this is why."""
     detail = "%s failed: %s" % (os.path.basename(compiler), stderr.strip()[-1500:])
     if install.release > SUPPORTED[1]:
-        return BuildError("cudamem.torch could not build its allocator for PyTorch %s, newer than "
-                          "the releases it supports (%s): %s" % (install.version,
-                                                                 supported_text(), detail))
+        return BuildError("PyTorch %s is newer than the releases cudamem supports (%s), and %s"
+                          % (install.version, supported_text(), detail))
     return BuildError(detail)
 
 
@@ -262,7 +261,10 @@ def build(torch, directory, quiet=False, cuda_include=None):
                               temporary, LIBRARIES, cuda_include)
     started = time.monotonic()
     try:
-        done = subprocess.run(command, capture_output=True, text=True)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True)
+        except OSError as e:  # $CUDAMEM_CXX names no program, say
+            raise BuildError("the C++ compiler %s could not be run (%s)" % (compiler, e)) from None
         if done.returncode != 0:
             raise _failure(install, compiler, done.stderr)
         os.replace(temporary, target)  # atomic: a concurrent process sees all of it or none

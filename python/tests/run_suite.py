@@ -69,6 +69,7 @@ def main():
         # (test_examples.py's programs need a GPU: the gpu suite runs them; here, only the check
         # that every example is covered.)
         return pytest(["test_native.py", "test_build_backend.py", "test_bench_placement.py",
+                       "test_torch_settings.py",
                        "test_examples.py::test_every_example_is_covered"], env)
     if args.suite == "gpu":
         if not importable("torch") and not importable("cupy"):
@@ -179,6 +180,15 @@ def make_venv(venv):
     return done
 
 
+def install_wheel(python, wheel, env):
+    """Installs `wheel` into the virtual environment of `python`, from the file, offline. Even
+    when the interpreter it sees (--system-site-packages) has cudamem installed, of the same
+    version: --ignore-installed puts the wheel under test in the environment, whose
+    site-packages come first on sys.path, instead of pip's "already installed"."""
+    return run([python, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed",
+                wheel], env=env)
+
+
 def bare_environment(venv, home):
     """What the installed package runs with: the venv's bin/ and nothing else on PATH (no
     compiler, no nvcc, no CMake), no include or CMake search paths (no GSL), no library of a
@@ -230,8 +240,7 @@ def wheel_suite(work, env):
     home = os.path.join(work, "home")
     os.makedirs(home)
     bare = bare_environment(venv, home)
-    if run([python, "-m", "pip", "install", "--no-deps", "--no-index", built[0]],
-           env=bare).returncode != 0:
+    if install_wheel(python, built[0], bare).returncode != 0:
         return 1
     tools = [t for t in ("cc", "gcc", "g++", "c++", "nvcc", "cmake")
              if shutil.which(t, path=bare["PATH"])]
