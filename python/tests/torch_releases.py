@@ -234,7 +234,13 @@ def check_symbols(built, where, library):
     for name in ("libstdc++.so.6", "libgcc_s.so.1", "libc.so.6", "libm.so.6",
                  "ld-linux-x86-64.so.2"):
         providers.append((name, dynamic_symbols(system_library(name), True)))
-    needed = dynamic_symbols(built, defined=False)
+    return resolve(dynamic_symbols(built, defined=False), providers)
+
+
+def resolve(needed, providers):
+    """For symbols `needed` ({name: nm type}) and `providers` ([(who, {name: type})], in the
+    order the loader would search), how many each provider serves, and the ones none does
+    (weak references may stay unresolved)."""
     counts, missing = {}, []
     for symbol, kind in sorted(needed.items()):
         owner = next((who for who, table in providers if symbol in table), None)
