@@ -70,10 +70,11 @@ def locked(path):
 
 def pip_download(requirement, directory, deps=False):
     """`pip download` of one requirement into `directory`; the finished process."""
-    command = [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:", "-d",
-               directory, requirement]
+    command = [sys.executable, "-m", "pip", "download", "-q", "--only-binary=:all:",
+               "--retries", os.environ.get("PIP_RETRIES", "2"),
+               "--timeout", os.environ.get("PIP_TIMEOUT", "30"), "-d", directory, requirement]
     if not deps:
-        command.insert(4, "--no-deps")
+        command.append("--no-deps")
     return subprocess.run(command, capture_output=True, text=True)
 
 
