@@ -104,6 +104,13 @@ def test_the_build_key_covers_every_source_file():
     assert sorted(_torch_build.SOURCES) == on_disk
 
 
+def test_the_wheel_check_expects_the_same_sources():
+    import run_suite
+    expected = {"cudamem/_torch/" + name for name in _torch_build.SOURCES}
+    expected.add("cudamem/include/cudamem_c.h")
+    assert run_suite.TORCH_ALLOCATOR_SOURCES == expected
+
+
 def test_each_release_gets_the_standard_its_headers_need():
     def install(version):
         return _torch_build.TorchInstall("/nowhere", version, True, "13.0")
