@@ -232,7 +232,12 @@ def compile_command(torch, compiler, source, target, libraries, cuda_include=Non
 def _failure(install, compiler, stderr):
     """What a failed compilation says: the compiler's last lines, and for a PyTorch newer than
     the supported ones, that this is why."""
-    detail = "%s failed: %s" % (os.path.basename(compiler), stderr.strip()[-1500:])
+    lines = stderr.strip().splitlines()
+    first = next((line for line in lines if "error" in line), "")  # the cause, said first
+    detail = "%s failed: %s" % (os.path.basename(compiler), first[-500:])
+    rest = "\n".join(lines)[-1000:]
+    if rest and first not in rest:
+        detail += "\n...\n" + rest
     if install.release > SUPPORTED[1]:
         return BuildError("PyTorch %s is newer than the releases cudamem supports (%s), and %s"
                           % (install.version, supported_text(), detail))
