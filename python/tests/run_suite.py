@@ -1,7 +1,9 @@
 """What ctest runs for the Python package (registered in capi/tests/CMakeLists.txt):
 
     run_suite.py host  --library LIB   the ctypes layer over simulated devices (no GPU), the
-                                       build backend's checks; the examples' GPU runs skip
+                                       build backend's checks, cudamem.torch.install()'s
+                                       choices and refusals over a stand-in torch, the
+                                       per-release check's parts; the examples' GPU runs skip
     run_suite.py gpu   --library LIB   PyTorch and CuPy on the GPU; the examples and the
                                        README's snippet against the installed wheel
     run_suite.py wheel --work DIR      `pip wheel ./python` (and its one-sentence errors for a
