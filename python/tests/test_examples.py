@@ -35,8 +35,7 @@ def installed(tmp_path_factory):
     venv = os.path.join(work, "venv")
     assert run_suite.make_venv(venv).returncode == 0
     python = os.path.join(venv, "bin", "python")
-    subprocess.run([python, "-m", "pip", "install", "--no-deps", "--no-index", wheels[0]],
-                   env=env, check=True)
+    assert run_suite.install_wheel(python, wheels[0], env).returncode == 0
     where = subprocess.run([python, "-c", "import cudamem._native as n; print(n.__file__)"],
                            env=env, cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert os.path.realpath(where.stdout.strip()).startswith(os.path.realpath(venv))
