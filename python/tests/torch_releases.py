@@ -78,6 +78,17 @@ def pip_download(requirement, directory, deps=False):
     return subprocess.run(command, capture_output=True, text=True)
 
 
+def pip_failure(stderr):
+    """pip's reason in one line: its last ERROR line, or the cause it retried on (no network
+    says 'name resolution'), not the middle of a retry's repr."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("ERROR:")]
+    reason = errors[-1] if errors else (lines[-1] if lines else "pip printed nothing")
+    if "name resolution" in stderr or "Failed to establish a new connection" in stderr:
+        reason = "no network (%s)" % reason[:160]
+    return reason[:300]
+
+
 def fetch_wheel(requirement, pattern, wheels, deps=False):
     """The wheel files matching `pattern` in the cache, downloaded first if none is there;
     SKIPPED (exit 0) if it cannot be fetched."""
@@ -88,7 +99,7 @@ def fetch_wheel(requirement, pattern, wheels, deps=False):
         done = pip_download(requirement, incoming, deps)
         if done.returncode != 0:
             skip("%s could not be fetched from PyPI: %s" % (requirement,
-                                                            done.stderr.strip()[-400:]))
+                                                            pip_failure(done.stderr)))
         for f in os.listdir(incoming):
             os.replace(os.path.join(incoming, f), os.path.join(wheels, f))
     found = glob.glob(os.path.join(wheels, pattern))
