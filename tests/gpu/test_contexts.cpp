@@ -1,7 +1,8 @@
 // Contexts on a real device: created and destroyed in a loop with an exception thrown at every
 // step, the device's free memory back at its baseline and the primary context's state as it
-// was; context_guard restoring the thread's context; and the classic context leak measured — a context
-// created raw and skipped by an exception keeps its memory, cudamem::context gives it back.
+// was; context_guard restoring the thread's context; and the classic context leak measured: a
+// context created raw and skipped by an exception keeps its memory, cudamem::context gives it
+// back.
 #include <cudamem/context.hpp>
 #include <cudamem/primary_context.hpp>
 
