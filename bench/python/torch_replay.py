@@ -2,6 +2,7 @@
 allocator and under cudamem's, in one process on a GPU (torch_replay_cost.cpp says how and why).
 
     python3 bench/python/torch_replay.py LOG [--touch-kib 0,4096] [--passes 7] [--steps 60]
+    python3 bench/python/torch_replay.py LOG --fake-gpu     # no GPU: the host's bookkeeping only
 
 LOG is a cudamem log (bench/python/trace.py writes one; bench/traces/train_b26.log.gz, 60
 steps of train.py at batch 26, is one: gzip is read as is). The C++ part is compiled against
@@ -14,6 +15,14 @@ allocator's own work). Prints ns per call by kind (allocations and frees of 4 Mi
 and below) as the median over passes, each over PyTorch's, and the host ms per step the calls
 cost (--steps: the steps in the log). Exit status 0; 1 when something could not run (the
 reason is printed).
+
+--fake-gpu runs it where there is no GPU (PyTorch with CUDA installed, a C compiler and the
+CUDA Toolkit's headers): fake_gpu/runtime.c and driver.c, compiled into cudamem's cache, stand
+in for the CUDA runtime and driver (one pretend device; memory calls hand out addresses,
+events and waits are free), and cudamem's C library runs on a simulated device
+(CUDAMEM_SIMULATE_BYTES, 16GiB unless set). What each allocator's own bookkeeping costs per
+call then shows, under a profiler too (valgrind --tool=callgrind); what the driver costs does
+not: compare the allocators within a run, not with a GPU's figures.
 """
 import argparse
 import ctypes
@@ -48,13 +57,58 @@ def build(torch, directory):
     return ctypes.CDLL(target)
 
 
+FAKE_GPU_ACTIVE = "CUDAMEM_FAKE_GPU_ACTIVE"  # set in the process that runs on the fake GPU
+
+
+def run_on_fake_gpu():
+    """Builds fake_gpu/'s runtime and driver and runs this script again over them (the
+    runtime must be preloaded before the process starts: os.execve). Returns 1 if it cannot."""
+    try:
+        import torch
+        from cudamem import _torch_build
+        compiler = shutil.which("cc") or shutil.which("gcc")
+        if compiler is None:
+            raise RuntimeError("--fake-gpu needs a C compiler (cc or gcc)")
+        cuda_include = _torch_build.cuda_include_dir(torch.version.cuda)
+        directory = os.path.join(_torch_build.cache_dir(), "fake_gpu")
+        os.makedirs(directory, exist_ok=True)
+        sources = os.path.join(HERE, "fake_gpu")
+        for source, target, extra in (
+                ("runtime.c", "libcudart_fake.so", []),
+                ("driver.c", "libcuda.so.1", ["-Wl,-soname,libcuda.so.1"])):
+            done = subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-isystem", cuda_include]
+                                  + extra + ["-o", os.path.join(directory, target),
+                                             os.path.join(sources, source)],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError("compiling fake_gpu/%s failed:\n%s" % (source, done.stderr))
+    except Exception as e:  # noqa: BLE001 - one line saying why
+        print("torch_replay: %s" % e, flush=True)
+        return 1
+    env = dict(os.environ)
+    env[FAKE_GPU_ACTIVE] = "1"
+    env["LD_PRELOAD"] = os.path.join(directory, "libcudart_fake.so")
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        p for p in (directory, os.environ.get("LD_LIBRARY_PATH", "")) if p)
+    env.setdefault("CUDAMEM_SIMULATE_BYTES", "16GiB")
+    print("torch_replay: on a fake GPU (fake_gpu/runtime.c): the allocators' host bookkeeping "
+          "only, the driver's calls free; cudamem on a simulated %s device"
+          % env["CUDAMEM_SIMULATE_BYTES"], flush=True)
+    os.execve(sys.executable, [sys.executable, os.path.abspath(__file__)] + sys.argv[1:], env)
+    return 1  # not reached
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("log")
     parser.add_argument("--touch-kib", default="0,4096")
     parser.add_argument("--passes", type=int, default=7)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--fake-gpu", action="store_true",
+                        help="no GPU: a pretend CUDA runtime (fake_gpu/), see above")
     args = parser.parse_args()
+    if args.fake_gpu and os.environ.get(FAKE_GPU_ACTIVE) != "1":
+        return run_on_fake_gpu()
     work = tempfile.mkdtemp(prefix="torch_replay_")
     try:
         log = args.log
