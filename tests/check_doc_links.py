@@ -36,9 +36,9 @@ def markdown_files(root):
     return found
 
 
-def prose_lines(text):
-    """(line number, line) for the lines outside fenced code blocks, with code spans blanked."""
-    lines, fence = [], None
+def outside_fences(text):
+    """(line number, line) for the lines of Markdown `text` outside fenced code blocks."""
+    fence = None
     for number, line in enumerate(text.splitlines(), start=1):
         opening = FENCE.match(line)
         if fence is None and opening:
@@ -48,8 +48,13 @@ def prose_lines(text):
             if line.strip().startswith(fence):
                 fence = None
             continue
-        lines.append((number, re.sub(r"(`+).*?\1", lambda m: " " * len(m.group(0)), line)))
-    return lines
+        yield number, line
+
+
+def prose_lines(text):
+    """(line number, line) for the lines outside fenced code blocks, with code spans blanked."""
+    return [(number, re.sub(r"(`+).*?\1", lambda m: " " * len(m.group(0)), line))
+            for number, line in outside_fences(text)]
 
 
 def heading_anchor(heading):
@@ -67,16 +72,8 @@ def anchors(path, cache):
     if path not in cache:
         with open(path, encoding="utf-8") as f:
             text = f.read()
-        seen, result, fence = {}, set(), None
-        for line in text.splitlines():
-            opening = FENCE.match(line)
-            if fence is None and opening:
-                fence = opening.group(1)[0] * 3
-                continue
-            if fence is not None:
-                if line.strip().startswith(fence):
-                    fence = None
-                continue
+        seen, result = {}, set()
+        for _, line in outside_fences(text):
             match = HEADING.match(line)
             if match:
                 base = heading_anchor(match.group(2))
