@@ -16,12 +16,21 @@
 //   --passes     passes over the log, the first untimed (default 5)
 //
 // Prints, per timed pass, ns per call for allocations and frees of a handle (4 MiB) or more
-// and below, and the compactions the pass made; then the medians over the timed passes. Only
+// and below, and the compactions the pass made; then the medians over the timed passes, and
+// how many calls of each kind a pass makes. Only
 // the calls are timed, not the touching. All calls are on the legacy stream, as the log's
 // stream is (trace.py records one stream). The simulated layer keeps its own bookkeeping of
 // frees in flight (the driver's layer does not: it records lazily), so compare builds with
 // each other on this bench, not with a GPU. Exit status: 0, 1 for bad arguments or a log it
 // cannot read, 2 when an allocation fails.
+//
+// Instructions per call, repeatable where wall times are not (a loaded host): each kind of
+// timed call goes through a function of its own that is never inlined, so callgrind's
+// inclusive cost of each over its calls is that kind's instructions per call:
+//   valgrind --tool=callgrind --callgrind-out-file=cg.out bench_capi_replay_cost LOG
+//   callgrind_annotate --inclusive=yes cg.out | grep timed_
+// The bench calls the library through its shared object, so one build of the bench measures
+// two builds of libcudamem_c (LD_LIBRARY_PATH picks one).
 #include <cudamem/log_format.hpp>
 
 #include <cudamem_c.h>
@@ -54,6 +63,20 @@ struct pass_cost {
 };
 
 using cudamem_bench::median;
+
+// The timed calls, one function per kind (see the top: instructions per call).
+[[gnu::noinline]] cudamem_status timed_large_alloc(int id, std::size_t bytes, void** p) {
+  return cudamem_allocate(id, bytes, 0, nullptr, p);
+}
+[[gnu::noinline]] cudamem_status timed_small_alloc(int id, std::size_t bytes, void** p) {
+  return cudamem_allocate(id, bytes, 0, nullptr, p);
+}
+[[gnu::noinline]] void timed_large_free(int id, void* p, std::size_t bytes) {
+  cudamem_deallocate(id, p, bytes, 0, nullptr);
+}
+[[gnu::noinline]] void timed_small_free(int id, void* p, std::size_t bytes) {
+  cudamem_deallocate(id, p, bytes, 0, nullptr);
+}
 
 int usage(const char* why) {
   std::fprintf(stderr,
@@ -134,17 +157,25 @@ int main(int argc, char** argv) try {
         const std::size_t bytes = it->second.second;
         live.erase(it);
         touch();
-        const auto start = clock_type::now();
-        cudamem_deallocate(id, p, bytes, 0, nullptr);
         const int k = is_large ? 2 : 3;
+        const auto start = clock_type::now();
+        if (pass == 0) {
+          cudamem_deallocate(id, p, bytes, 0, nullptr);  // untimed: not counted as a kind
+        } else if (is_large) {
+          timed_large_free(id, p, bytes);
+        } else {
+          timed_small_free(id, p, bytes);
+        }
         cost.ns[k] += std::chrono::duration<double, std::nano>(clock_type::now() - start).count();
         ++cost.calls[k];
         continue;
       }
       touch();
-      const auto start = clock_type::now();
-      const cudamem_status s = cudamem_allocate(id, e.bytes, 0, nullptr, &p);
       const int k = is_large ? 0 : 1;
+      const auto start = clock_type::now();
+      const cudamem_status s = pass == 0 ? cudamem_allocate(id, e.bytes, 0, nullptr, &p)
+                               : is_large ? timed_large_alloc(id, e.bytes, &p)
+                                          : timed_small_alloc(id, e.bytes, &p);
       cost.ns[k] += std::chrono::duration<double, std::nano>(clock_type::now() - start).count();
       ++cost.calls[k];
       if (s != CUDAMEM_OK) {
@@ -177,6 +208,10 @@ int main(int argc, char** argv) try {
   std::printf("median of %zu passes (%s, %zu KiB touched between calls): 4 MiB+ alloc %.0f ns, "
               "below alloc %.0f, 4 MiB+ free %.0f, below free %.0f\n",
               costs.size(), config.c_str(), touch_kib, m[0], m[1], m[2], m[3]);
+  const pass_cost& last = costs.back();
+  std::printf("calls per timed pass: 4 MiB+ alloc %ld, below alloc %ld, 4 MiB+ free %ld, "
+              "below free %ld\n",
+              last.calls[0], last.calls[1], last.calls[2], last.calls[3]);
   cudamem_allocator_destroy(id);
   return 0;
 } catch (const std::exception& e) {
