@@ -17,15 +17,14 @@
 //
 // Prints, per timed pass, ns per call for allocations and frees of a handle (4 MiB) or more
 // and below, and the compactions the pass made; then the medians over the timed passes, and
-// how many calls of each kind a pass makes. Only
-// the calls are timed, not the touching. All calls are on the legacy stream, as the log's
-// stream is (trace.py records one stream). The simulated layer keeps its own bookkeeping of
+// how many calls of each kind a pass makes. Only the calls are timed, not the touching. All
+// calls are on the legacy stream, as the log's stream is (trace.py records one stream). The simulated layer keeps its own bookkeeping of
 // frees in flight (the driver's layer does not: it records lazily), so compare builds with
 // each other on this bench, not with a GPU. Exit status: 0, 1 for bad arguments or a log it
 // cannot read, 2 when an allocation fails.
 //
 // Instructions per call, repeatable where wall times are not (a loaded host): each kind of
-// timed call goes through a function of its own that is never inlined, so callgrind's
+// timed call goes through a function of its own (never inlined nor merged), so callgrind's
 // inclusive cost of each over its calls is that kind's instructions per call:
 //   valgrind --tool=callgrind --callgrind-out-file=cg.out bench_capi_replay_cost LOG
 //   callgrind_annotate --inclusive=yes cg.out | grep timed_
@@ -64,17 +63,18 @@ struct pass_cost {
 
 using cudamem_bench::median;
 
-// The timed calls, one function per kind (see the top: instructions per call).
-[[gnu::noinline]] cudamem_status timed_large_alloc(int id, std::size_t bytes, void** p) {
+// The timed calls, one function per kind (see the top: instructions per call). noipa, not
+// only noinline: identical bodies would otherwise be folded into one function.
+[[gnu::noipa]] cudamem_status timed_large_alloc(int id, std::size_t bytes, void** p) {
   return cudamem_allocate(id, bytes, 0, nullptr, p);
 }
-[[gnu::noinline]] cudamem_status timed_small_alloc(int id, std::size_t bytes, void** p) {
+[[gnu::noipa]] cudamem_status timed_small_alloc(int id, std::size_t bytes, void** p) {
   return cudamem_allocate(id, bytes, 0, nullptr, p);
 }
-[[gnu::noinline]] void timed_large_free(int id, void* p, std::size_t bytes) {
+[[gnu::noipa]] void timed_large_free(int id, void* p, std::size_t bytes) {
   cudamem_deallocate(id, p, bytes, 0, nullptr);
 }
-[[gnu::noinline]] void timed_small_free(int id, void* p, std::size_t bytes) {
+[[gnu::noipa]] void timed_small_free(int id, void* p, std::size_t bytes) {
   cudamem_deallocate(id, p, bytes, 0, nullptr);
 }
 
