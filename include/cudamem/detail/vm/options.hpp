@@ -57,6 +57,10 @@ inline constexpr std::size_t grow_ahead_floor_device_share = 32;
   return std::max(grow_ahead_floor_min_bytes, device_total / grow_ahead_floor_device_share);
 }
 
+/// recent_frees when left unset, and the most it accepts (a request scans them all).
+inline constexpr std::size_t default_recent_frees = 16;
+inline constexpr std::size_t max_recent_frees = 256;
+
 /// How to build a vm_resource.
 struct vm_resource_options {
   /// Size of each physical handle: the unit of growth and of recycling (rounded up to the
@@ -111,6 +115,13 @@ struct vm_resource_options {
   /// a request that recycling cannot serve still grows into the reserve, as it would without
   /// it. Growth ahead keeps at least this much free too. Costs one cudaMemGetInfo per growth.
   std::size_t keep_free_bytes = 0;
+  /// How many of the last blocks of whole handles freed are kept aside, as they are, for the
+  /// next request of their size on their stream (0: none; at most max_recent_frees). Such a
+  /// request then costs the host a scan of their sizes instead of a best fit among the free
+  /// ranges, and the free no merge (detail/vm/recent_frees.hpp). They are free memory all the
+  /// same: whatever reads or reshapes free memory (a request nothing else fits, growth,
+  /// release(), trim(), the statistics) puts them back among the free ranges first.
+  std::size_t recent_frees = default_recent_frees;
 };
 
 /// The physical handles under one block, in address order: they tile
@@ -156,6 +167,8 @@ struct vm_resource_stats {
   std::size_t kept_free_compactions = 0;   ///< of compactions: recycled rather than grown
                                            ///< because growth would have left the device
                                            ///< less free than keep_free_bytes
+  std::size_t recent_reuses = 0;           ///< requests served by a block kept aside
+                                           ///< (recent_frees), not from the free ranges
   bool growth_ahead_held_back = false;     ///< growth ahead waits for a growth of its own
                                            ///< (after a give-back, or at the floor)
 };
