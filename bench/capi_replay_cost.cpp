@@ -16,12 +16,14 @@
 //   --passes     passes over the log, the first untimed (default 5)
 //
 // Prints, per timed pass, ns per call for allocations and frees of a handle (4 MiB) or more
-// and below, and the compactions the pass made; then the medians over the timed passes, and
-// how many calls of each kind a pass makes. Only the calls are timed, not the touching. All
-// calls are on the legacy stream, as the log's stream is (trace.py records one stream). The simulated layer keeps its own bookkeeping of
-// frees in flight (the driver's layer does not: it records lazily), so compare builds with
-// each other on this bench, not with a GPU. Exit status: 0, 1 for bad arguments or a log it
-// cannot read, 2 when an allocation fails.
+// and below, the compactions the pass made and the allocations served by recent frees
+// (cudamem_stats::recent_reuses); then the medians over the timed passes, how many calls of
+// each kind a pass makes, and the device memory held (the peak, and at the end). Only the
+// calls are timed, not the touching. All calls are on the legacy stream, as the log's stream
+// is (trace.py records one stream). The simulated layer keeps its own bookkeeping of frees in
+// flight (the driver's layer does not: it records lazily), so compare builds with each other
+// on this bench, not with a GPU. Exit status: 0, 1 for bad arguments or a log it cannot read,
+// 2 when an allocation fails.
 //
 // Instructions per call, repeatable where wall times are not (a loaded host): each kind of
 // timed call goes through a function of its own (never inlined nor merged), so callgrind's
@@ -58,6 +60,7 @@ struct pass_cost {
   double ns[4] = {0, 0, 0, 0};  // large alloc, small alloc, large free, small free
   long calls[4] = {0, 0, 0, 0};
   std::uint64_t compactions = 0;
+  std::uint64_t recent_reuses = 0;
   [[nodiscard]] double per_call(int k) const { return calls[k] ? ns[k] / calls[k] : 0.0; }
 };
 
@@ -86,10 +89,13 @@ int usage(const char* why) {
   return 1;
 }
 
-std::uint64_t compactions(int id) {
+cudamem_stats stats(int id) {
   cudamem_stats s{};
   s.struct_size = sizeof s;
-  return cudamem_get_stats(id, 0, &s) == CUDAMEM_OK ? s.compactions : 0;
+  if (cudamem_get_stats(id, 0, &s) != CUDAMEM_OK) {
+    s = cudamem_stats{};
+  }
+  return s;
 }
 
 }  // namespace
@@ -140,7 +146,7 @@ int main(int argc, char** argv) try {
   std::vector<pass_cost> costs;
   for (int pass = 0; pass < passes; ++pass) {
     pass_cost cost;
-    const std::uint64_t compactions_before = compactions(id);
+    const cudamem_stats before = stats(id);
     std::unordered_map<std::uint64_t, std::pair<void*, std::size_t>> live;  // log ptr -> ours
     for (const cudamem::log_event& e : events) {
       if (e.kind == cudamem::log_event_kind::out_of_memory) {
@@ -188,13 +194,16 @@ int main(int argc, char** argv) try {
     for (const auto& [pointer, block] : live) {  // what the log left live: freed, untimed
       cudamem_deallocate(id, block.first, block.second, 0, nullptr);
     }
-    cost.compactions = compactions(id) - compactions_before;
+    const cudamem_stats after = stats(id);
+    cost.compactions = after.compactions - before.compactions;
+    cost.recent_reuses = after.recent_reuses - before.recent_reuses;
     if (pass > 0) {
       costs.push_back(cost);
       std::printf("pass %d: ns per call: 4 MiB+ alloc %.0f, below alloc %.0f, 4 MiB+ free %.0f, "
-                  "below free %.0f; %llu compactions\n",
+                  "below free %.0f; %llu compactions, %llu reused recent frees\n",
                   pass, cost.per_call(0), cost.per_call(1), cost.per_call(2), cost.per_call(3),
-                  static_cast<unsigned long long>(cost.compactions));
+                  static_cast<unsigned long long>(cost.compactions),
+                  static_cast<unsigned long long>(cost.recent_reuses));
     }
   }
   double m[4];
@@ -212,6 +221,10 @@ int main(int argc, char** argv) try {
   std::printf("calls per timed pass: 4 MiB+ alloc %ld, below alloc %ld, 4 MiB+ free %ld, "
               "below free %ld\n",
               last.calls[0], last.calls[1], last.calls[2], last.calls[3]);
+  const cudamem_stats end = stats(id);
+  std::printf("device: peak reserved %.0f MiB, reserved at the end %.0f MiB\n",
+              static_cast<double>(end.peak_reserved_bytes) / (1 << 20),
+              static_cast<double>(end.reserved_bytes) / (1 << 20));
   cudamem_allocator_destroy(id);
   return 0;
 } catch (const std::exception& e) {
