@@ -108,11 +108,11 @@
 //   request that would leave the device less free than that recycles free handles first and
 //   creates only what they cannot give (into the reserve: it is not a limit); growth ahead
 //   stops there too. vm_stats().kept_free_compactions counts the compactions it chose.
-// - Recent frees (`recent_frees`, 16 by default): the last blocks of whole handles freed are kept
-//   aside, free, for the next request of their size on their stream (or any, freed synchronously):
-//   no wait, by stream order. Whatever else uses free memory (a request no free range holds,
-//   before it grows, recycles or fails; release(), trim(), growth ahead, the statistics) puts
-//   them back among the free ranges first (live_blocks.hpp). vm_stats().recent_reuses.
+// - Recent frees (`recent_frees`, 16, at most 1/16 of what is mapped, while it can grow): the last
+//   blocks of whole handles freed are kept aside, free, for the next request of their size on
+//   their stream (or any, freed synchronously): no wait, by stream order. Whatever else uses free
+//   memory (a request no free range holds, before it grows, recycles or fails; release(), trim(),
+//   growth ahead, the statistics) puts them back among the free ranges first (live_blocks.hpp).
 #pragma once
 
 #include <cudamem/detail/held_ahead.hpp>

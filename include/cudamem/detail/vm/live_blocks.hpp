@@ -30,12 +30,14 @@
 // - Recent frees (vm_resource_options::recent_frees; recent_frees.hpp says why): a freed block
 //   of whole handles is kept aside as it is, its record flagged `recent`, and take_recent gives
 //   it to the next request of its size that may have it without a wait (vm_resource asks it
-//   before take_fit). Kept aside, it is free: not in used_bytes(), not in count(), not live to a
-//   free (a second free of it is a bad free) nor to handles_of. Its free is recorded by the
-//   layer as any other (an event on its stream). What reads or reshapes the free ranges —
-//   growth, compaction and failure once placement found nothing, release, trim, statistics,
-//   growth ahead — calls flush_recent() first (vm_resource does, at the top of each), and then
-//   sees the free ranges it would have seen without this.
+//   before take_fit). Kept while the blocks kept hold at most 1/16 of what is mapped (the
+//   oldest go back to make room) and the resource may still grow (options.hpp says why both).
+//   Kept aside, it is free: not in used_bytes(), not in count(), not live to a free (a second
+//   free of it is a bad free) nor to handles_of. Its free is recorded by the layer as any other
+//   (an event on its stream). What reads or reshapes the free ranges — growth, compaction and
+//   failure once placement found nothing, release, trim, statistics, growth ahead — calls
+//   flush_recent() first (vm_resource does, at the top of each), and then finds every free
+//   byte among the free ranges, merged with its neighbours.
 //
 // Part of vm_resource.hpp, which holds the lock around every call; where a block goes inside
 // the free ranges is placement.hpp, making room when nothing fits is compactor.hpp.
@@ -253,9 +255,14 @@ class vm_live_blocks {
                      " bytes of a range allocated with " + std::to_string(b.requested) +
                      "; freeing the allocated range");
     }
-    const bool keep = b.whole && as_allocated && recent_.capacity() != 0;
-    if (keep && recent_.full()) {
-      // Room first: the oldest goes back (throws for lack of host memory: nothing changed).
+    // Kept aside: a block of whole handles freed with its size, while the blocks kept hold at
+    // most a share of what is mapped (options.hpp: recent_frees_share says why).
+    const std::size_t most = handles_.mapped_bytes / recent_frees_share;
+    const bool keep = b.whole && as_allocated && recent_.capacity() != 0 && b.bytes <= most &&
+                      !handles_.device_full &&
+                      handles_.mapped_bytes + config_.handle <= config_.limit;
+    while (keep && (recent_.full() || recent_.bytes() + b.bytes > most)) {
+      // Room first: the oldest go back (throws for lack of host memory: this block stays).
       put_back(recent_.oldest());
       recent_.drop_oldest();
     }

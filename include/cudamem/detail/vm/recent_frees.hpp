@@ -9,13 +9,15 @@
 //   recent.drain([&](const recent_free& f) { put_back(f); });  // all back, oldest first
 //
 // Why. A training step frees and allocates the same large tensors again and again, each time
-// on the same stream: in a recorded PyTorch training log, 63% of the allocations of 4 MiB or
-// more found a block of exactly their size freed on their stream among the last 16 frees of
-// that size class or more, 73% among the last 64. Through the free ranges, such a free is a
-// merge into two ordered trees (by address and by size) and the allocation a best-fit walk and
-// a carve in both, plus an erase and an insert of the live block's record: most of what a
-// large block costs the host beyond a small one. Kept here, the free is a few stores, and the
-// allocation a scan of a few cache lines; the live block's record stays where it is, flagged.
+// on the same stream. Through the free ranges, such a free is a merge into two ordered trees
+// (by address and by size) and the allocation a best-fit walk and a carve in both, plus an
+// erase and an insert of the live block's record: most of what a large block costs the host
+// beyond a small one. Kept here, the free is a few stores and the allocation a scan of a few
+// cache lines; the live block's record stays where it is, flagged. On a PyTorch training
+// loop's log (`bench_capi_replay_cost bench/traces/train_b26.log`: the C API's stack, 4 MiB
+// handles, a simulated device; 2026-11-29), 54% of the allocations of 4 MiB or more took a
+// block kept here (16 of them, at most 1/16 of what is mapped: options.hpp says why the
+// bound), and a large allocation cost 1309 instructions (callgrind) before, RESULTS_PLACEHOLDER
 //
 // What it owns: which blocks are kept and in what order; nothing about free memory. The rule
 // for who may take one is the free ranges' stream rule, restricted to what needs no wait: a
@@ -62,6 +64,8 @@ class recent_frees {
   /// Blocks kept now.
   [[nodiscard]] std::size_t count() const noexcept { return count_; }
   [[nodiscard]] bool empty() const noexcept { return count_ == 0; }
+  /// Their bytes, as placed.
+  [[nodiscard]] std::size_t bytes() const noexcept { return bytes_kept_; }
   /// Whether put() needs drop_oldest() first.
   [[nodiscard]] bool full() const noexcept { return count_ == bytes_.size(); }
   /// The oldest block kept (not empty()).
@@ -73,10 +77,12 @@ class recent_frees {
     bytes_[tail] = f.bytes;
     slots_[tail] = f;
     ++count_;
+    bytes_kept_ += f.bytes;
   }
 
   /// Forgets the oldest block kept (not empty()): the caller has put it back.
   void drop_oldest() noexcept {
+    bytes_kept_ -= bytes_[head_];
     bytes_[head_] = 0;
     head_ = at(1);
     --count_;
@@ -121,6 +127,7 @@ class recent_frees {
   /// Removes the k-th block kept: the blocks on the shorter side of it move one slot over, so
   /// the rest stay in order without a gap.
   void close_gap(std::size_t k) noexcept {
+    bytes_kept_ -= bytes_[at(k)];
     if (k < count_ - 1 - k) {
       for (std::size_t j = k; j > 0; --j) {  // the older ones move up; the head follows
         bytes_[at(j)] = bytes_[at(j - 1)];
@@ -142,6 +149,7 @@ class recent_frees {
   std::vector<recent_free> slots_;  ///< each slot's block
   std::size_t head_ = 0;            ///< the slot of the oldest block
   std::size_t count_ = 0;           ///< blocks kept, in the slots from head_ on (wrapping)
+  std::size_t bytes_kept_ = 0;      ///< their bytes
 };
 
 }  // namespace cudamem::detail
