@@ -9,7 +9,7 @@
 // For each trace and stack: the median ns/op of N timed replays (after one warm-up round, so
 // the pool has reserved what the trace needs); the stacks take turns replay by replay, and the
 // added ns/op and the ratio are medians of each round's difference and ratio to the bare pool
-// (a slow spell of a shared machine then moves both sides of a comparison alike). Targets (issue 5): statistics <= +10 ns/op, tracking <= 2x the pool's cost; the
+// (a slow spell of a shared machine then moves both sides of a comparison alike). Targets: statistics <= +10 ns/op, tracking <= 2x the pool's cost; the
 // last column says "ok" or "MISSED" on those two rows.
 // The stacks: pool; statistics, limiting, tracking, tracking with timestamps (the option that
 // reads the CPU's tick counter per allocation), logging (to a stream that discards: the cost
@@ -19,7 +19,7 @@
 // tracking -> statistics -> limiting -> pool.
 // Then the multi-thread trace (mt16: 16 threads, each its own trace, over one pool with a shard
 // per hardware thread, CPU only): wall time per operation over all threads, for the pool alone,
-// statistics and tracking (each counting in a slot or shard of its own thread, issue 18: target
+// statistics and tracking (each counting in a slot or shard of its own thread; target
 // <= 2x the pool), and the same two with peak_slack 0 (an exact peak: one atomic add on a
 // shared line per request, what both did before). Run it where there are 16 cores
 // (`bench_adaptors --cpu-only`): with fewer, threads queue for cores and the ratios say little.
@@ -203,7 +203,7 @@ void measure_threads(int repeat, unsigned threads) {
   struct stack {
     const char* name;
     memory_resource* resource;
-    bool target;  // the issue's target applies: <= 2x the pool
+    bool target;  // the target applies: <= 2x the pool
   };
   const std::vector<stack> stacks = {{"pool", &pool, false},
                                      {"statistics", &statistics, true},
@@ -228,7 +228,7 @@ void measure_threads(int repeat, unsigned threads) {
                 spec.name.c_str(), spec.threads, cores, repeat);
     if (cores < spec.threads) {
       std::printf("NOTE: fewer hardware threads than the trace's %u threads: the threads take "
-                  "turns on the cores, so these ratios are not the issue's 16-core figure\n",
+                  "turns on the cores, so these ratios are not the 16-core figure the target is for\n",
                   spec.threads);
     }
     std::printf("%-22s %-24s %10s %8s  %s\n", "trace", "stack", "wall ns/op", "ratio", "target");

@@ -33,7 +33,7 @@
 // (4) The stager's knobs at 256 MiB: threads (1, 2, 4, 6, 8) x chunk_bytes (1, 2, 4, 8,
 //     16 MiB), chunk_count 4, each way; every configuration (a stager of its own) once per
 //     round with raw pageable as the baseline. Median GB/s and ratio to raw.
-// The targets of issue 31 are printed after (3): 64 MiB and more >= 2x raw pageable each way
+// The targets are printed after (3): 64 MiB and more >= 2x raw pageable each way
 // (cudamem::copy column), 4 KiB - 1 MiB never below 0.95x.
 // `rounds` defaults to 15 (at least 5), after one untimed warm-up round; 1 GiB copies use
 // at most 7 rounds (about a minute in all).
@@ -198,7 +198,7 @@ std::string size_name(std::size_t bytes) {
   return bytes >= mib ? std::to_string(bytes / mib) + " MiB" : std::to_string(bytes / kib) + " KiB";
 }
 
-/// (3): every size, both ways; returns false if a target of issue 31 is missed.
+/// (3): every size, both ways; returns false if a target (printed after it) is missed.
 bool pageable_by_size(cudamem::stream_view s, int rounds) {
   constexpr std::size_t largest = 1024 * mib;
   pageable_memory host(largest);
@@ -453,7 +453,7 @@ int main(int argc, char** argv) {
               up_ratio[2], down_ratio[2]);
 
   const bool targets = pageable_by_size(s, rounds);
-  std::printf("\nissue 31 targets (cudamem::copy vs raw pageable: >= 2x from 64 MiB, >= 0.95x "
+  std::printf("\ntargets (cudamem::copy vs raw pageable: >= 2x from 64 MiB, >= 0.95x "
               "for 4 KiB - 1 MiB): %s\n", targets ? "ok" : "BELOW TARGET (marked above)");
   stager_sweep(s, rounds);
   return 0;

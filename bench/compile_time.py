@@ -22,7 +22,11 @@ The units:
   cuda_runtime.h      the baseline: cuda_runtime.h, a kernel, cudaMalloc/cudaFree
   <stdexcept> floor   the baseline + <stdexcept>: what any header costs whose errors are
                       std::runtime_errors (cudamem's are); no cudamem unit can cost less
-  owners              stream.hpp + device_buffer.hpp: a stream and a buffer, a kernel on it
+  owners              stream.hpp + device_buffer.hpp: a stream and a buffer over the current
+                      device's resource (which compiles device_resource, cudaMalloc and its
+                      out-of-memory report, into this file), a kernel on it
+  owners (resource given)  the same headers; a function that runs a kernel on a buffer over a
+                      memory_resource& made elsewhere (a library's file)
   pool                stream, device_resource, pool_resource, device_buffer
   vm_pool             stream, vm_pool_resource, device_buffer
   umbrella            cudamem/cudamem.hpp, used as the quick start does
@@ -69,6 +73,10 @@ UNITS = {
         ["cudamem/stream.hpp", "cudamem/device_buffer.hpp"],
         "cudamem::stream s;\n  cudamem::device_buffer<float> b(1024, s);",
         "scale<<<4, 256, 0, s.get()>>>(b.data(), b.size());\n  s.synchronize();"),
+    "owners (resource given)": (
+        ["cudamem/stream.hpp", "cudamem/device_buffer.hpp"],
+        None,  # a library's file: a function over a resource made elsewhere
+        None),
     "pool": (
         ["cudamem/stream.hpp", "cudamem/device_resource.hpp", "cudamem/pool_resource.hpp",
          "cudamem/device_buffer.hpp"],
@@ -106,10 +114,26 @@ RMM_UNIT = (
 NEEDS_NCCL = {"cudamem/nccl.hpp", "cudamem/nccl_pool.hpp"}
 
 
+# A library's file: a function that runs a kernel on a buffer over a resource it is given.
+LIBRARY_FUNCTION = """
+void run(cudamem::memory_resource& mr, cudamem::stream_view s) {
+  cudamem::device_buffer<float> b(1024, s, mr);
+  %s
+}
+"""
+
+
 def source(unit, language):
     """The text of a unit's translation unit for `language` ("cu" or "cpp"); None if the unit
     has no form for it."""
     includes, body, launch = unit
+    if body is None and launch is None:  # a library's file (LIBRARY_FUNCTION)
+        lines = ["#include <%s>" % h for h in includes]
+        if language == "cu":
+            lines.append(KERNEL)
+        kernel = "scale<<<4, 256, 0, s.get()>>>(b.data(), b.size());" if language == "cu" else ""
+        lines.append(LIBRARY_FUNCTION % kernel)
+        return "\n".join(lines)
     if language == "cpp" and body is None:
         return None
     lines = ["#include <%s>" % h for h in includes]

@@ -12,8 +12,8 @@
 //   ./run bench fragmentation               # on a GPU: ~3-4 minutes on an 80 GB H100
 //   ./run bench fragmentation --simulated   # no GPU: an 80 GiB simulated device, seconds
 //   bench_fragmentation --simulated --stream-model busy   # ... with the pools tracking streams
-//                     # over a model device (issue 39): `busy`, `idle`, or `pre39` (busy, the
-//                     # pools choosing blocks as before issue 39)
+//                     # over a model device: `busy`, `idle`, or `naive` (busy, the pools
+//                     # choosing blocks naively: the first pick, whatever it waits for)
 //   bench_fragmentation --only vm_pool --detail   # one allocator; where its time goes
 //   bench_fragmentation --only vm_pool --variant bench,wide --seeds 42,1,2   # just those rows
 //   bench_fragmentation --only vm_pool --pause-ms 2000   # cold runs start 2 s after a release
@@ -1030,7 +1030,7 @@ std::size_t power_of_two_mib(const char* text, unsigned long long least, unsigne
 int main(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress shows even through a pipe
   bool simulated = false;
-  std::string stream_model;  ///< --stream-model (with --simulated): empty, busy, idle, pre39
+  std::string stream_model;  ///< --stream-model (with --simulated): empty, busy, idle, naive
   selection what;
   std::string variant_list = "all";
   const auto usage = [] {
@@ -1040,7 +1040,7 @@ int main(int argc, char** argv) {
                  "         [--growth-mib N] [--handle-mib 2|4|8|16|32|64]\n"
                  "         [--bulk-mib N (--simulated; a power of two larger than the handle)]\n"
                  "         [--small-chunk-mib 4|8|...|N (a multiple of the handle)]\n"
-                 "         [--simulated-driver-us C,A] [--stream-model busy|idle|pre39]\n"
+                 "         [--simulated-driver-us C,A] [--stream-model busy|idle|naive]\n"
                  "         [--variants-only]\n"
                  "         [--variant all|none|NAME[,NAME...]] [--seeds N[,N...]]\n"
                  "variants:");
@@ -1115,7 +1115,7 @@ int main(int argc, char** argv) {
       sim_access_us = static_cast<unsigned>(std::atoi(us[1].c_str()));
     } else if (arg == "--stream-model" && i + 1 < argc) {
       stream_model = argv[++i];
-      if (stream_model != "busy" && stream_model != "idle" && stream_model != "pre39") {
+      if (stream_model != "busy" && stream_model != "idle" && stream_model != "naive") {
         return usage();
       }
     } else if (arg == "--variants-only") {
@@ -1178,9 +1178,9 @@ int main(int argc, char** argv) {
   }
   if (simulated) {
     // --stream-model: the pools over simulated memory track streams too, their event calls
-    // answered by a model device (issue 39) that is `busy` (no free on another stream completes
-    // until a device synchronisation) or `idle` (every event complete when asked); `pre39`:
-    // busy, with the pools choosing blocks as before issue 39. Where blocks land then depends
+    // answered by a model device that is `busy` (no free on another stream completes
+    // until a device synchronisation) or `idle` (every event complete when asked); `naive`:
+    // busy, with the pools taking their first pick whatever it waits for. Where blocks land depends
     // on streams (the streams4 variant and the main table's vm_pool, which run on four).
     cudamem::detail::host_stream_events model;
     std::optional<cudamem::detail::scoped_pool_stream_events> use;
@@ -1188,7 +1188,7 @@ int main(int argc, char** argv) {
     if (!stream_model.empty()) {
       model.complete_at_record(stream_model == "idle");
       use.emplace(model);
-      if (stream_model == "pre39") {
+      if (stream_model == "naive") {
         choices.emplace(cudamem::detail::pool_stream_choices{false, false});
       }
       std::printf("stream model: %s\n", stream_model.c_str());

@@ -27,7 +27,7 @@
 //    so the program says bus bandwidth is not meaningful and prints algorithm bandwidth
 //    (bytes / time: a device copy) instead. Medians over rounds; the ratio pool / best is the
 //    median over rounds of pool / (the best of the other variants in that round); likewise for
-//    vm_pool and nccl_pool. Target (issue 32): pooled blocks >= 0.98 x the best of the others
+//    vm_pool and nccl_pool. Target: pooled blocks >= 0.98 x the best of the others
 //    at every size; judged on nccl_pool, cudamem's stack for NCCL buffers (the pool of
 //    registered chunks alone follows NCCL's registered path at every size, slower at some).
 //    Each variant's first all-reduce (outside the timing) pays NCCL's lazy registration work.

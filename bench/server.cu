@@ -1,4 +1,4 @@
-// bench/server.cu — a workload of another shape than bench_workload's (issue 39): a small-graph
+// bench/server.cu — a workload of another shape than bench_workload's (many threads): a small-graph
 // inference server. Many host threads, each with its own stream; each request allocates a few
 // dozen tensors, runs a handful of small kernels over them, and frees them all. Requests per
 // second for each allocator, against the limit (every thread's tensors made once, before
@@ -679,7 +679,7 @@ int main(int argc, char** argv) try {
     const double fraction = median(it->second->limit_fractions);
     const double async = median_of("cudaMallocAsync");
     const double cub = median_of("CUB");
-    std::printf("\ngoal (%s, issue 39): >= 0.95x the limit: %s (%.3f); x cudaMallocAsync %.2f; x CUB %.2f",
+    std::printf("\ngoal (%s): >= 0.95x the limit: %s (%.3f); x cudaMallocAsync %.2f; x CUB %.2f",
                 name.c_str(), fraction >= 0.95 ? "yes" : "no", fraction,
                 async > 0 ? median(it->second->rates) / async : 0.0,
                 cub > 0 ? median(it->second->rates) / cub : 0.0);

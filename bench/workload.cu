@@ -6,7 +6,7 @@
 //   ./run bench workload                  # the full run: ~2-3 minutes on an H100
 //   ./run bench workload --quick          # a smoke run (30 steps, 3 rounds, 200 sorts)
 //   options: --steps N (default 200) --reps N (rounds of timed passes, default 7, at least 5
-//            for the issue's figures) --sorts N (default 1000) --only A,B,... (rows, by name;
+//            for figures to quote) --sorts N (default 1000) --only A,B,... (rows, by name;
 //            `limit` always runs: every row is measured against it; `sort` for the sort loop
 //            alone) --no-probe (skip the instrumented pass)
 //   ./run bench workload --simulated      # no GPU: the allocation pattern alone over a
@@ -29,7 +29,7 @@
 // The kernels are memory-bound grid-stride loops; about 70 launches per stream-step.
 //
 // The rows (the limit, the peers of DESIGN.md, then ours):
-//   limit            no allocator at all (issue 39): before anything is timed, every stream gets
+//   limit            no allocator at all: before anything is timed, every stream gets
 //                    one buffer per tensor slot (the largest size that slot takes in the
 //                    plan), one for the keys and one for the sort's temporaries (rewound after
 //                    each stream-step); every stream-step reuses its own stream's buffers. No
@@ -45,10 +45,10 @@
 //   pool+thrust      cudamem pool_resource for tensors, but the sort under thrust's default
 //                    par.on(s): the cost of thrust's default temporaries alone
 //   pool             cudamem pool_resource for everything: sort under cudamem::exec_policy
-//   pool-pre39       the same pool built to choose blocks as it did before issue 39 (the first
+//   pool-naive       the same pool built to choose blocks naively (the first
 //                    pick whatever it waits for; a query and a wait per block that crosses
-//                    streams: detail::scoped_pool_stream_choices): what the change does, in
-//                    the same run
+//                    streams: detail::scoped_pool_stream_choices): what preferring blocks
+//                    that need no wait, and waiting once per recording, buy, in the same run
 //   pool-complete    the pool with pool_options::stream_reuse = when_complete: memory freed on
 //                    another stream is reused only once known complete, else the pool grows
 //                    (no cross-stream waits; more memory): what the waits cost, in the same run
@@ -56,7 +56,7 @@
 //                    2026-11-27: its cache keeps a finished stream-step's blocks where they
 //                    were, rather than merging them (peak reserved: 192 MiB against 160 MiB in
 //                    the model)
-//   vm_pool          the same over cudamem vm_pool_resource (and vm_pool-pre39,
+//   vm_pool          the same over cudamem vm_pool_resource (and vm_pool-naive,
 //                    vm_pool-complete)
 //   arena            one cudamem arena_resource per stream (over cudaMalloc'd chunks of
 //                    160 MiB), rewound after every stream-step by an arena_scope: allocation is
@@ -79,7 +79,7 @@
 // subject to (cudaMalloc has no counter of its own; CUB rounds to bins; the driver's pools and
 // vm_pool map memory in their own granules); the own count is printed beside it.
 //
-// The probe (issue 39: where does the time go?). After the rounds, one more pass per row, not
+// The probe (where does the time go?). After the rounds, one more pass per row, not
 // in the figures above: three timing events per stream-step on its stream (before its
 // allocations, after them, after its frees), and the host's clock around the whole
 // stream-step and around each allocate and free call. Per stream-step it reports the host's
@@ -101,7 +101,7 @@
 // for the stream after each sort), and cudamem::exec_policy.
 //
 // --simulated (no GPU): the same plan's allocations and frees (tensors, keys, and one
-// temporary of 1 MiB + 96 KiB for the sort) through pool, pool-pre39, pool-complete and the
+// temporary of 1 MiB + 96 KiB for the sort) through pool, pool-naive, pool-complete and the
 // three vm_pool rows over a simulated 80 GiB device, with the pools' event calls answered by a
 // model of a device that is `lag` stream-steps behind the host (lag 0: idle, every event is
 // complete when asked; lag 4: a stream-step's work is done when its stream's next one starts).
@@ -905,8 +905,8 @@ options parse(int argc, char** argv) {
                    "       [--vm-handle-mib N] [--vm-growth-mib N] [--vm-small-chunk-mib N] "
                    "[--vm-limit-mib N]\n"
                    "       [--vm-grow-ahead-mib N]]\n"
-                   "rows: limit cudaMalloc cudaMallocAsync CUB pool+thrust pool pool-pre39 "
-                   "pool-complete pool-cache-kept vm_pool vm_pool-pre39 vm_pool-complete arena; sort: the sort loop\n");
+                   "rows: limit cudaMalloc cudaMallocAsync CUB pool+thrust pool pool-naive "
+                   "pool-complete pool-cache-kept vm_pool vm_pool-naive vm_pool-complete arena; sort: the sort loop\n");
       std::exit(2);
     }
   }
@@ -974,7 +974,7 @@ struct simulated_pool {
 
 /// Replays two passes of the plan (the first warms, the second is counted) through `mr` with
 /// the device `lag` stream-steps behind the host (0: idle), and prints one line.
-void simulate(const std::string& name, bool vm, bool before_39, bool when_complete,
+void simulate(const std::string& name, bool vm, bool naive, bool when_complete,
               std::size_t lag, const plan& p, std::size_t steps,
               cudamem::pool_options pool_opt, const options& opt) {
   if (when_complete) {
@@ -983,7 +983,7 @@ void simulate(const std::string& name, bool vm, bool before_39, bool when_comple
   cudamem::detail::host_stream_events events;
   const cudamem::detail::scoped_pool_stream_events use{events};
   const cudamem::detail::scoped_pool_stream_choices choices{
-      {.prefer_ready = !before_39, .remember_waits = !before_39}};
+      {.prefer_ready = !naive, .remember_waits = !naive}};
   simulated_pool sp;
   if (vm) {
     cudamem::vm_pool_options vo;
@@ -1171,7 +1171,7 @@ int run_simulated(const options& opt) {
   for (const std::size_t lag : {std::size_t{0}, std::size_t{1}, std::size_t{2}, std::size_t{4},
                                 std::size_t{8}}) {
     for (const bool vm : {false, true}) {
-      for (const std::string variant : {"-pre39", "", "-complete", "-cache-kept"}) {
+      for (const std::string variant : {"-naive", "", "-complete", "-cache-kept"}) {
         const std::string name = std::string(vm ? "vm_pool" : "pool") + variant;
         const bool cache_kept = variant == "-cache-kept";
         if (!opt.wants(name) || (vm && cache_kept)) {  // vm_pool's cache always follows use
@@ -1179,7 +1179,7 @@ int run_simulated(const options& opt) {
         }
         cudamem::pool_options row_opt = pool_opt;
         row_opt.cache_follows_use = !cache_kept;
-        simulate(name, vm, variant == "-pre39", variant == "-complete", lag, p, opt.steps,
+        simulate(name, vm, variant == "-naive", variant == "-complete", lag, p, opt.steps,
                  row_opt, opt);
       }
     }
@@ -1261,15 +1261,15 @@ int main(int argc, char** argv) try {
   const auto vm_counts = [](cudamem::memory_resource& mr) {
     return static_cast<cudamem::vm_pool_resource&>(mr).pool().stream_stats();
   };
-  // A pool row; `before_39`: built to choose blocks as before issue 39 (see the header);
+  // A pool row; `naive`: built to choose blocks naively (see the header);
   // `when_complete`: pool_options::stream_reuse = stream_reuse_policy::when_complete.
   // `cache_kept`: pool_options::cache_follows_use = false (the default before 2026-11-27).
-  const auto pool_row = [&](bool thrust_default_sort, bool before_39, bool when_complete,
+  const auto pool_row = [&](bool thrust_default_sort, bool naive, bool when_complete,
                             bool cache_kept = false) {
-    return [&, thrust_default_sort, before_39, when_complete,
+    return [&, thrust_default_sort, naive, when_complete,
             cache_kept]() -> std::unique_ptr<row_base> {
       const cudamem::detail::scoped_pool_stream_choices choices{
-          {.prefer_ready = !before_39, .remember_waits = !before_39}};
+          {.prefer_ready = !naive, .remember_waits = !naive}};
       auto device = std::make_unique<cudamem::device_resource>(0);
       cudamem::pool_options o;
       if (when_complete) {
@@ -1281,10 +1281,10 @@ int main(int argc, char** argv) try {
                                             thrust_default_sort, pool_reserved, pool_counts);
     };
   };
-  const auto vm_pool_row = [&](bool before_39, bool when_complete) {
-    return [&, before_39, when_complete]() -> std::unique_ptr<row_base> {
+  const auto vm_pool_row = [&](bool naive, bool when_complete) {
+    return [&, naive, when_complete]() -> std::unique_ptr<row_base> {
       const cudamem::detail::scoped_pool_stream_choices choices{
-          {.prefer_ready = !before_39, .remember_waits = !before_39}};
+          {.prefer_ready = !naive, .remember_waits = !naive}};
       cudamem::vm_pool_options o;
       if (when_complete) {
         o.pool.stream_reuse = cudamem::stream_reuse_policy::when_complete;
@@ -1300,11 +1300,11 @@ int main(int argc, char** argv) try {
       {"CUB", [&] { return std::make_unique<cub_row>(streams); }},
       {"pool+thrust", pool_row(true, false, false)},
       {"pool", pool_row(false, false, false)},
-      {"pool-pre39", pool_row(false, true, false)},
+      {"pool-naive", pool_row(false, true, false)},
       {"pool-complete", pool_row(false, false, true)},
       {"pool-cache-kept", pool_row(false, false, false, true)},
       {"vm_pool", vm_pool_row(false, false)},
-      {"vm_pool-pre39", vm_pool_row(true, false)},
+      {"vm_pool-naive", vm_pool_row(true, false)},
       {"vm_pool-complete", vm_pool_row(false, true)},
       {"arena", [&] { return std::make_unique<arena_row>(streams); }},
   };
@@ -1383,11 +1383,11 @@ int main(int argc, char** argv) try {
   }
 
   // Ours against each peer: ratios of medians (steps/s), and peak reserved against the best peer
-  // and against cudaMalloc's (the issue-39 target).
+  // and against cudaMalloc's (the target printed below).
   const std::vector<std::string> peers = {"cudaMalloc", "cudaMallocAsync", "CUB"};
-  const std::vector<std::string> ours = {"pool",          "pool-pre39",       "pool-complete",
+  const std::vector<std::string> ours = {"pool",          "pool-naive",       "pool-complete",
                                          "pool-cache-kept",
-                                         "vm_pool",       "vm_pool-pre39",    "vm_pool-complete",
+                                         "vm_pool",       "vm_pool-naive",    "vm_pool-complete",
                                          "arena"};
   std::optional<std::size_t> best_peer_peak;
   std::string best_peer;
@@ -1485,7 +1485,7 @@ int main(int argc, char** argv) try {
     }
   }
 
-  // Issue 39's targets, read off the tables above.
+  // The targets for multi-stream programs, read off the tables above.
   for (const std::string& name : {std::string("pool"), std::string("vm_pool")}) {
     const row_result* r = find(name);
     if (r == nullptr) {
@@ -1500,7 +1500,7 @@ int main(int argc, char** argv) try {
                             ? static_cast<double>(r->peak_reserved) /
                                   static_cast<double>(malloc_row->peak_reserved)
                             : 0.0;
-    std::printf("\ngoals (%s, issue 39): >= 0.97x the limit: %s (%.3f); >= 1.3x cudaMallocAsync: %s "
+    std::printf("\ngoals (%s): >= 0.97x the limit: %s (%.3f); >= 1.3x cudaMallocAsync: %s "
                 "(%.2fx); peak reserved <= 1.2x cudaMalloc's: %s (%.2f)",
                 name.c_str(), r->fraction_of_limit() >= 0.97 ? "yes" : "no", r->fraction_of_limit(),
                 vs_async >= 1.3 ? "yes" : "no", vs_async, peak > 0 && peak <= 1.2 ? "yes" : "no", peak);

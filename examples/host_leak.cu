@@ -1,4 +1,4 @@
-// host_leak — seed 000, example 2: the device memory is freed, the host staging buffer is not.
+// host_leak — the device memory is freed, the host staging buffer is not.
 // Every batch leaves its input behind in host RAM, and the process grows until the machine
 // (and, with it, CUDA) runs short. A pinned_buffer frees itself — and copies faster.
 //
@@ -46,7 +46,7 @@ std::size_t resident_bytes() {
 
 std::vector<float*> lost_pointers;  // only so the example can clean up at the end
 
-// Seed 000's pattern: the device side is cleaned up, the host side is forgotten.
+// The usual pattern: the device side is cleaned up, the host side is forgotten.
 void raw_batch() {
   float* h_data = new float[batch_floats];
   lost_pointers.push_back(h_data);

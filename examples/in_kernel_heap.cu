@@ -1,4 +1,4 @@
-// in_kernel_heap — seed 000, example 1: `new` inside a kernel draws on the device's malloc
+// in_kernel_heap — `new` inside a kernel draws on the device's malloc
 // heap, which is only 8 MiB unless you say otherwise. When it runs out, device `new` does not
 // throw: it returns nullptr, and a kernel that does not check writes through it.
 //
@@ -26,7 +26,7 @@ constexpr int threads = 256;
 constexpr std::size_t scratch_floats = 1024;  // 4 KiB per thread
 constexpr std::size_t batch_bytes = std::size_t{blocks} * threads * scratch_floats * sizeof(float);
 
-// Seed 000's kernel, with the check it lacked: record what `new` returned.
+// The usual kernel, with the check it lacks: record what `new` returned.
 __global__ void take_scratch(cudamem::device_span<float*> scratch) {
   const std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x;
   float* temp = new float[scratch_floats];  // nullptr when the heap is exhausted

@@ -1,4 +1,4 @@
-// leak_on_exception — seed 003, example 1: an exception skips cudaFree, and the memory stays
+// leak_on_exception — an exception skips cudaFree, and the memory stays
 // taken until the process exits. A device_buffer frees it on every path.
 //
 //   ./run example leak_on_exception
@@ -31,7 +31,7 @@ struct bad_input : std::runtime_error {
 // memory back at the end; the program in the seed has no such list.
 std::vector<void*> lost_pointers;
 
-// Seed 003's pattern: allocate, work, fail, and the cudaFree at the end never runs.
+// The usual pattern: allocate, work, fail, and the cudaFree at the end never runs.
 void raw_batch(bool input_is_bad) {
   float* data = nullptr;
   cudamem::check(cudaMalloc(&data, batch_bytes), "cudaMalloc");

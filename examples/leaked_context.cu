@@ -1,4 +1,4 @@
-// leaked_context — seed 003, example 2: "out of memory, yet no process is running". A CUDA
+// leaked_context — "out of memory, yet no process is running". A CUDA
 // context created by hand and skipped by an exception keeps everything it holds — the memory
 // allocated in it *and* its own overhead — until the process exits. cudamem::context destroys
 // it on every path, and everything made in it goes with it.
@@ -40,7 +40,7 @@ void work_in_current_context(bool input_is_bad) {
 
 std::vector<CUcontext> lost_contexts;  // only so the example can clean up at the end
 
-// Seed 003's pattern: create a context, work, destroy it at the end — which the exception skips.
+// The usual pattern: create a context, work, destroy it at the end — which the exception skips.
 void raw_job() {
   const cudamem::detail::driver_api& cu = cudamem::detail::driver();
   CUdevice device = 0;

@@ -13,8 +13,8 @@
 // that leave peer access as they found it. Buffers made by the workers are freed on the main
 // thread, with device 0 current: each goes back to its own device's pool.
 // Peer access is enabled before anything is allocated: CUDA allows it later too, but
-// compute-sanitizer then loses track of the pool blocks that already exist (README, "Debugging
-// with compute-sanitizer").
+// compute-sanitizer then loses track of the pool blocks that already exist (docs/debugging.md,
+// "Several GPUs").
 // With one GPU it still runs (the whole job on device 0) and says so.
 #include <cudamem/cudamem.hpp>
 

@@ -1,4 +1,4 @@
-// pinned_transfers — seed 002, example 2: copies between host and device run several times
+// pinned_transfers — copies between host and device run several times
 // faster from page-locked (pinned) memory than from ordinary pageable memory, because the GPU
 // can read pinned pages directly while pageable ones are first staged through a hidden pinned
 // buffer by the driver, one chunk at a time on one thread. Pinning itself is slow, though:

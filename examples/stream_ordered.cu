@@ -1,4 +1,4 @@
-// stream_ordered — seed 001, example 3: memory freed on one stream and reused on another.
+// stream_ordered — memory freed on one stream and reused on another.
 // "Freed" only means the host has *submitted* the last use; the GPU may still be running it.
 // Reuse the memory on another stream without ordering the two, and one stream's data lands
 // in another stream's result.

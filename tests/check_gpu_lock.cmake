@@ -1,7 +1,7 @@
 # Checks that every test which touches the GPU holds the GPU lock, and that no host test does:
 #   cmake -D CTEST=<ctest> -D BUILD_DIR=<build tree> -D LOCK=<lock name> -P check_gpu_lock.cmake
 # A GPU test registered without the lock would race the others for the device under `ctest -j`
-# (issue 14: seven GPU tests failed that way at -j16); a host test holding it would serialise
+# (seven GPU tests once failed that way at -j16); a host test holding it would serialise
 # for nothing. The list comes from ctest itself (--show-only=json-v1), so it sees every test
 # however it was registered.
 cmake_minimum_required(VERSION 3.25)

@@ -4,7 +4,7 @@ one allocator per process (run_all.py names it in the environment):
 
     python3 train.py search --start B --step S [--free-gib N]
         batches B, B+S, B+2S, ... in one process, 50 steps each, until one fails: prints the
-        largest batch that ran all its steps (the seeds' situation: a program that grows its
+        largest batch that ran all its steps (a common situation: a program that grows its
         batch, on an allocator that has served every shape before)
     python3 train.py speed --batch B [--free-gib N]
         steps per second at batch B (median of 5 timed windows of --window steps, 50 by

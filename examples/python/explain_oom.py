@@ -2,7 +2,7 @@
 one fills the rest, and the error names the other process (pid, name, bytes), what this
 process holds and why the request failed.
 
-    pip install ./python                          # once (the README: "From PyTorch and CuPy")
+    pip install ./python                  # once (the README: "From PyTorch, CuPy and Numba")
     python3 examples/python/explain_oom.py
 
 It uses the installed package, as any program would: PyTorch and a CUDA device are needed to

@@ -1,10 +1,10 @@
-"""Seed 004's situation: a loop whose tensors change size from one iteration to the next runs
+"""A loop whose tensors change size from one iteration to the next runs
 out of memory while much of the device is free, and reducing the batch or calling
 torch.cuda.empty_cache() does not help. The same loop, run twice in fresh processes — with
 PyTorch's own allocator, then with one line added, cudamem.torch.install() — prints how far
 each got.
 
-    pip install ./python                          # once (the README: "From PyTorch and CuPy")
+    pip install ./python                  # once (the README: "From PyTorch, CuPy and Numba")
     python3 examples/python/fragmenting_loop.py
 
 It uses the installed package, as any program would: PyTorch and a CUDA device are needed.

@@ -2,7 +2,7 @@
 PyTorch, a custom kernel's buffers in CuPy and Numba, all of it counted by cudamem.stats(), and
 memory one library frees serving the next library's request.
 
-    pip install ./python                          # once (the README: "From PyTorch and CuPy")
+    pip install ./python                  # once (the README: "From PyTorch, CuPy and Numba")
     python3 examples/python/three_libraries.py
 
 It uses the installed package, as any program would: PyTorch, CuPy, numba-cuda and a CUDA

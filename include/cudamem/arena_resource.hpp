@@ -66,14 +66,16 @@ struct arena_options {
 
 /// A point in an arena to rewind to (from `arena_resource::mark()`).
 struct arena_mark {
-  std::size_t chunk = 0;
-  std::size_t offset = 0;
-  std::size_t used = 0;
+  std::size_t chunk = 0;   ///< index of the chunk being bumped in
+  std::size_t offset = 0;  ///< bytes used in that chunk
+  std::size_t used = 0;    ///< bytes handed out in all
 };
 
 /// A monotonic bump allocator; see the contract above.
 class arena_resource final : public memory_resource {
  public:
+  /// An arena over `upstream` (referred to, not owned). Throws std::invalid_argument for a chunk
+  /// size of 0 or a growth factor below 1.
   explicit arena_resource(memory_resource& upstream, arena_options options = {})
       : memory_resource(upstream.kind(), upstream.device()), upstream_(&upstream),
         options_(options), next_chunk_size_(options.initial_chunk_size),
@@ -280,6 +282,7 @@ class arena_resource final : public memory_resource {
 /// Rewinds an arena to where it was when the scope began; see arena_resource's contract.
 class arena_scope {
  public:
+  /// Marks `arena` now; the destructor rewinds it there.
   explicit arena_scope(arena_resource& arena) noexcept : arena_(&arena), mark_(arena.mark()) {}
   ~arena_scope() { arena_->rewind(mark_); }
   arena_scope(const arena_scope&) = delete;

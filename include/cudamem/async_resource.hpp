@@ -72,8 +72,11 @@ struct memory_pool_usage {
   std::uint64_t used_high = 0;      ///< high-water mark of `used`
 };
 
+/// Stream-ordered device memory from a CUDA memory pool of its own (or the device's default pool).
 class async_resource final : public memory_resource {
  public:
+  /// A pool of its own on `options.device` (or the device's default pool). Throws cuda_error when
+  /// the device has no memory pools.
   explicit async_resource(async_resource_options options = {})
       : memory_resource(memory_kind::device, detail::resolve_device(options.device)),
         owns_pool_(!options.use_default_pool) {
@@ -126,6 +129,7 @@ class async_resource final : public memory_resource {
     check(cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &bytes),
           "cudaMemPoolSetAttribute(ReleaseThreshold)");
   }
+  /// The pool's release threshold now, in bytes.
   [[nodiscard]] std::uint64_t release_threshold() const { return attribute(cudaMemPoolAttrReleaseThreshold); }
 
   /// Returns unused pool memory to the device until at most `bytes_to_keep` unused bytes are

@@ -71,6 +71,10 @@ namespace cudamem {
 
 // --- the leaf resources' properties (found by argument-dependent lookup) -----------------------
 
+///@{
+/// What each leaf resource's memory is, for CCCL's property checks: device_resource and
+/// async_resource device_accessible; pinned_resource and managed_resource both; host_resource
+/// host_accessible.
 inline void get_property(const device_resource&, cuda::mr::device_accessible) noexcept {}
 inline void get_property(const async_resource&, cuda::mr::device_accessible) noexcept {}
 inline void get_property(const pinned_resource&, cuda::mr::device_accessible) noexcept {}
@@ -78,6 +82,7 @@ inline void get_property(const pinned_resource&, cuda::mr::host_accessible) noex
 inline void get_property(const managed_resource&, cuda::mr::device_accessible) noexcept {}
 inline void get_property(const managed_resource&, cuda::mr::host_accessible) noexcept {}
 inline void get_property(const host_resource&, cuda::mr::host_accessible) noexcept {}
+///@}
 
 // --- any resource, with the properties its user vouches for ------------------------------------
 
@@ -95,15 +100,19 @@ class cccl_resource {
     }
   }
 
+  /// The resource's synchronous allocate.
   [[nodiscard]] void* allocate(std::size_t bytes, std::size_t alignment = default_alignment) {
     return mr_->allocate(bytes, alignment);
   }
+  /// The resource's synchronous deallocate.
   void deallocate(void* p, std::size_t bytes, std::size_t alignment = default_alignment) noexcept {
     mr_->deallocate(p, bytes, alignment);
   }
+  /// The resource's stream-ordered allocate, on `s`.
   [[nodiscard]] void* allocate_async(std::size_t bytes, std::size_t alignment, cuda::stream_ref s) {
     return mr_->allocate(bytes, alignment, stream_view{s.get()});
   }
+  /// The resource's stream-ordered deallocate, on `s`.
   void deallocate_async(void* p, std::size_t bytes, std::size_t alignment,
                         cuda::stream_ref s) noexcept {
     mr_->deallocate(p, bytes, alignment, stream_view{s.get()});
@@ -112,6 +121,7 @@ class cccl_resource {
   /// The resource this handle refers to.
   [[nodiscard]] memory_resource& resource() const noexcept { return *mr_; }
 
+  /// Whether the two resources are equal (memory_resource::is_equal).
   friend bool operator==(const cccl_resource& a, const cccl_resource& b) noexcept {
     return a.mr_->is_equal(*b.mr_);
   }

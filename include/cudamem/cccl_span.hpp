@@ -51,20 +51,23 @@ namespace cudamem {
 
 // --- spans -------------------------------------------------------------------------------------
 
+/// All of `s` as a `cuda::std::span`; host and device code.
 template <class T>
 [[nodiscard]] CUDAMEM_HOST_DEVICE constexpr cuda::std::span<T> as_span(device_span<T> s) noexcept {
   return cuda::std::span<T>(s.data(), s.size());
 }
+/// All of `b` as a `cuda::std::span`.
 template <class T>
 [[nodiscard]] cuda::std::span<T> as_span(device_buffer<T>& b) noexcept {
   return cuda::std::span<T>(b.data(), b.size());
 }
+/// All of `b` as a `cuda::std::span` of const T.
 template <class T>
 [[nodiscard]] cuda::std::span<const T> as_span(const device_buffer<T>& b) noexcept {
   return cuda::std::span<const T>(b.data(), b.size());
 }
 template <class T>
-cuda::std::span<T> as_span(device_buffer<T>&&) = delete;  // a view of a buffer about to die
+cuda::std::span<T> as_span(device_buffer<T>&&) = delete;  ///< a view of a buffer about to die
 
 // --- mdspans -----------------------------------------------------------------------------------
 
@@ -121,17 +124,19 @@ as_mdspan(device_span<T> s, Sizes... extents) {
       s, cuda::std::dextents<std::size_t, sizeof...(Sizes)>(static_cast<std::size_t>(extents)...));
 }
 
+/// `as_mdspan` of `b.span()`: extents as sizes or as an extents object.
 template <class Layout = cuda::std::layout_right, class T, class... Args>
 [[nodiscard]] auto as_mdspan(device_buffer<T>& b, const Args&... args)
     -> decltype(as_mdspan<Layout>(device_span<T>{}, args...)) {
   return as_mdspan<Layout>(b.span(), args...);
 }
+/// `as_mdspan` of `b.span()`, of const T.
 template <class Layout = cuda::std::layout_right, class T, class... Args>
 [[nodiscard]] auto as_mdspan(const device_buffer<T>& b, const Args&... args)
     -> decltype(as_mdspan<Layout>(device_span<const T>{}, args...)) {
   return as_mdspan<Layout>(b.span(), args...);
 }
 template <class Layout = cuda::std::layout_right, class T, class... Args>
-void as_mdspan(device_buffer<T>&&, const Args&...) = delete;  // a view of a buffer about to die
+void as_mdspan(device_buffer<T>&&, const Args&...) = delete;  ///< a view of a buffer about to die
 
 }  // namespace cudamem

@@ -14,7 +14,7 @@
 // Why own contexts. A context holds device memory for itself (hundreds of MiB for code,
 // local memory, printf and malloc heaps) plus every allocation made in it. Created raw and
 // skipped by an exception, it keeps all of it until the process exits: the device reports
-// that memory as used by a process that looks idle (seed 003). `context` destroys it on every
+// that memory as used by a process that looks idle. `context` destroys it on every
 // path.
 //
 // Contract
@@ -86,6 +86,7 @@ inline void validate_context_flags(unsigned flags) {
 /// An owning CUDA context; see the contract above.
 class context {
  public:
+  /// Creates a context on `options.device` (-1: the current one) and leaves it not current.
   explicit context(context_options options = {}) {
     validate_context_flags(options.flags);
     const int device = options.device < 0 ? current_device() : options.device;
@@ -109,9 +110,11 @@ class context {
   context(const context&) = delete;
   context& operator=(const context&) = delete;
 
+  /// Takes `other`'s context; `other` holds nothing after.
   context(context&& other) noexcept
       : context_(std::exchange(other.context_, nullptr)), device_(std::exchange(other.device_, -1)) {}
 
+  /// Destroys the context held (and everything made in it), then takes `other`'s.
   context& operator=(context&& other) noexcept {
     if (this != &other) {
       destroy();
@@ -125,6 +128,7 @@ class context {
   [[nodiscard]] CUcontext get() const noexcept { return context_; }
   /// The runtime device id it was created on; -1 for a moved-from one.
   [[nodiscard]] int device() const noexcept { return device_; }
+  /// False for a moved-from context.
   [[nodiscard]] explicit operator bool() const noexcept { return context_ != nullptr; }
 
   /// Waits for all work in this context (pushes it for the call).
@@ -151,6 +155,7 @@ class context {
 /// Makes a context current on the calling thread for a scope; see the contract above.
 class context_guard {
  public:
+  /// Pushes `ctx` (not null, else std::invalid_argument) onto this thread's context stack.
   explicit context_guard(CUcontext ctx) : context_(ctx) {
     if (ctx == nullptr) {
       throw std::invalid_argument(
@@ -158,7 +163,9 @@ class context_guard {
     }
     detail::check_driver(detail::driver().ctx_push_current(ctx), "cuCtxPushCurrent");
   }
+  /// Pushes `ctx`'s context.
   explicit context_guard(const context& ctx) : context_guard(ctx.get()) {}
+  /// Pushes `ctx`'s primary context.
   explicit context_guard(const primary_context& ctx) : context_guard(ctx.get()) {}
 
   ~context_guard() {

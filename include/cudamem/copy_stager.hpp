@@ -93,7 +93,7 @@
 #include <vector>
 
 namespace cudamem {
-
+/// Copies between pageable host memory and device memory through pinned chunks kept for reuse.
 class copy_stager {
  public:
   /// A stager for copies on streams of `device` (-1: the current device).
@@ -143,7 +143,7 @@ class copy_stager {
     run_copy(static_cast<unsigned char*>(dst), static_cast<const unsigned char*>(src), bytes,
              stream, direction::to_host);
   }
-
+  /// The options in force.
   [[nodiscard]] copy_stager_options options() const {
     const detail::lock_guard lock{mutex_};
     return options_;
@@ -170,7 +170,7 @@ class copy_stager {
     free_chunks(lock);
     workers_.stop();
   }
-
+  /// What it holds now and has done since it was made.
   [[nodiscard]] copy_stager_stats stats() const {
     copy_stager_stats s;
     {

@@ -83,12 +83,12 @@ inline void validate_device(int device,
 
 /// What a device is.
 struct device_properties {
-  int id = 0;
-  std::string name;
+  int id = 0;                     ///< the runtime device id
+  std::string name;               ///< the device's name, e.g. "NVIDIA H100 80GB HBM3"
   std::size_t total_memory = 0;   ///< bytes of device memory
   int major = 0;                  ///< compute capability, major
   int minor = 0;                  ///< compute capability, minor
-  int multiprocessors = 0;
+  int multiprocessors = 0;        ///< streaming multiprocessors (SMs)
   bool managed_memory = false;    ///< supports cudaMallocManaged
   bool memory_pools = false;      ///< supports cudaMallocAsync / memory pools
 };
@@ -115,8 +115,8 @@ struct device_properties {
 
 /// Free and total device memory, as the driver sees it now (all processes included).
 struct memory_usage {
-  std::size_t free = 0;
-  std::size_t total = 0;
+  std::size_t free = 0;   ///< bytes free on the device
+  std::size_t total = 0;  ///< bytes of device memory in all
 };
 
 /// Restores the calling thread's current device on scope exit; see the contract above.

@@ -70,6 +70,7 @@
 
 namespace cudamem {
 
+/// A typed, move-only owner of `n` elements of device memory, freed in stream order.
 template <class T>
 class device_buffer {
   static_assert(std::is_trivially_copyable_v<T>,
@@ -79,8 +80,8 @@ class device_buffer {
                 "device_buffer<T>: T must not be const or volatile");
 
  public:
-  using value_type = T;
-  using size_type = std::size_t;
+  using value_type = T;           ///< the element type
+  using size_type = std::size_t;  ///< sizes and counts of elements
 
   /// The alignment every buffer asks for: enough for T, and at least what cudaMalloc gives.
   static constexpr std::size_t alignment =
@@ -126,12 +127,14 @@ class device_buffer {
     }
   }
 
-  device_buffer(const device_buffer&) = delete;             // copies are explicit: clone()
+  device_buffer(const device_buffer&) = delete;             ///< copies are explicit: clone()
   device_buffer& operator=(const device_buffer&) = delete;
 
+  /// Takes `other`'s memory, resource and stream; `other` is left empty.
   device_buffer(device_buffer&& other) noexcept
       : block_(std::move(other.block_)), size_(std::exchange(other.size_, 0)) {}
 
+  /// Frees what this buffer held (on its own stream), then takes `other`'s memory.
   device_buffer& operator=(device_buffer&& other) noexcept {
     if (this != &other) {
       block_ = std::move(other.block_);  // frees what this buffer held, on its own stream
@@ -144,24 +147,36 @@ class device_buffer {
 
   // --- what it holds ----------------------------------------------------------------------
 
+  /// Elements held.
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  /// Bytes held: size() * sizeof(T).
   [[nodiscard]] std::size_t size_bytes() const noexcept { return size_ * sizeof(T); }
+  /// Elements the memory has room for without another allocation.
   [[nodiscard]] std::size_t capacity() const noexcept { return block_.bytes() / sizeof(T); }
+  /// Whether size() is 0.
   [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
+  /// The most elements whose bytes size_t can count.
   [[nodiscard]] static constexpr std::size_t max_size() noexcept {
     return std::numeric_limits<std::size_t>::max() / sizeof(T);
   }
 
+  /// The device pointer to the first element; nullptr when nothing is allocated.
   [[nodiscard]] T* data() noexcept { return static_cast<T*>(block_.get()); }
+  /// The device pointer to the first element, read-only.
   [[nodiscard]] const T* data() const noexcept { return static_cast<const T*>(block_.get()); }
 
   /// A view for kernels.
   [[nodiscard]] device_span<T> span() noexcept { return {data(), size_}; }
+  /// A read-only view for kernels.
   [[nodiscard]] device_span<const T> span() const noexcept { return {data(), size_}; }
+  /// The view, implicitly: a buffer passes where a device_span is taken.
   operator device_span<T>() noexcept { return span(); }              // NOLINT: implicit by design
+  /// The read-only view, implicitly.
   operator device_span<const T>() const noexcept { return span(); }  // NOLINT: implicit by design
 
+  /// The stream the memory is ordered on, and will be freed on.
   [[nodiscard]] stream_view stream() const noexcept { return block_.stream(); }
+  /// The resource it came from.
   [[nodiscard]] memory_resource& resource() const noexcept { return block_.resource(); }
   /// The device the memory belongs to (the resource's).
   [[nodiscard]] int device() const noexcept { return resource().device(); }

@@ -43,6 +43,7 @@
 
 namespace cudamem {
 
+/// Device memory from cudaMalloc / cudaFree on one device.
 class device_resource final : public memory_resource {
  public:
   /// Device memory of `device` (-1: the device current now).

@@ -15,7 +15,7 @@
 //   cudamem::memory_check check = scope.close();
 //   if (!check.ok()) std::printf("%zu bytes not returned\n", check.missing_bytes());
 //
-// Why. Seed 003: memory held after the work is done — owners that were never destroyed,
+// Why: memory held after the work is done — owners that were never destroyed,
 // contexts left behind, a cudaDeviceReset expected to clean up after an exception. A scope
 // that owns what was made in it, waits for the device, and then *measures* whether the memory
 // came back turns "no processes running but the GPU is full" into a message naming the scope.
@@ -76,11 +76,11 @@ struct device_scope_options {
 
 /// What a verifying scope found: free memory at its start and at its end.
 struct memory_check {
-  int device = -1;
-  std::size_t free_before = 0;
-  std::size_t free_after = 0;
-  std::size_t tolerance = 0;
-  bool verified = false;  ///< false when the scope was not asked to verify
+  int device = -1;              ///< the device checked
+  std::size_t free_before = 0;  ///< free bytes when the scope began
+  std::size_t free_after = 0;   ///< free bytes after it ended
+  std::size_t tolerance = 0;    ///< shortfall still counted as ok
+  bool verified = false;        ///< false when the scope was not asked to verify
 
   /// Bytes of free memory that did not come back (0 when as much or more is free).
   [[nodiscard]] std::size_t missing_bytes() const noexcept {
@@ -112,6 +112,7 @@ struct memory_check {
 /// A scope that owns what was made in it and leaves the device as it found it; see above.
 class device_scope {
  public:
+  /// Makes `options.device` current for the scope (and measures free memory, if asked to verify).
   explicit device_scope(device_scope_options options = {})
       : options_(options), device_(options.device < 0 ? current_device() : options.device) {
     validate_device(device_);

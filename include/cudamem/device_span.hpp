@@ -35,17 +35,19 @@
 
 namespace cudamem {
 
+/// A non-owning view of `size()` elements of device memory: a pointer and a count.
 template <class T>
 class device_span {
  public:
-  using element_type = T;
-  using value_type = std::remove_cv_t<T>;
-  using size_type = std::size_t;
-  using pointer = T*;
-  using reference = T&;
-  using iterator = T*;
+  using element_type = T;                  ///< the element type, const or not
+  using value_type = std::remove_cv_t<T>;  ///< the element type without const
+  using size_type = std::size_t;           ///< sizes and counts of elements
+  using pointer = T*;                      ///< a pointer to an element
+  using reference = T&;                    ///< a reference to an element
+  using iterator = T*;                     ///< a plain pointer
 
   constexpr device_span() noexcept = default;
+  /// The `size` elements at `data` (a device-accessible pointer; not checked).
   CUDAMEM_HOST_DEVICE constexpr device_span(T* data, std::size_t size) noexcept
       : data_(data), size_(size) {}
 
@@ -55,26 +57,39 @@ class device_span {
   CUDAMEM_HOST_DEVICE constexpr device_span(const device_span<U>& other) noexcept  // NOLINT
       : data_(other.data()), size_(other.size()) {}
 
+  /// The first element.
   CUDAMEM_HOST_DEVICE constexpr T* data() const noexcept { return data_; }
+  /// Elements viewed.
   CUDAMEM_HOST_DEVICE constexpr std::size_t size() const noexcept { return size_; }
+  /// Bytes viewed: size() * sizeof(T).
   CUDAMEM_HOST_DEVICE constexpr std::size_t size_bytes() const noexcept { return size_ * sizeof(T); }
+  /// Whether size() is 0.
   CUDAMEM_HOST_DEVICE constexpr bool empty() const noexcept { return size_ == 0; }
 
+  /// Element `i`; unchecked. Device code, or host code over host-accessible memory.
   CUDAMEM_HOST_DEVICE constexpr T& operator[](std::size_t i) const noexcept { return data_[i]; }
+  /// The first element; the span must not be empty.
   CUDAMEM_HOST_DEVICE constexpr T& front() const noexcept { return data_[0]; }
+  /// The last element; the span must not be empty.
   CUDAMEM_HOST_DEVICE constexpr T& back() const noexcept { return data_[size_ - 1]; }
+  /// The first element, for range-for in device code.
   CUDAMEM_HOST_DEVICE constexpr T* begin() const noexcept { return data_; }
+  /// One past the last element.
   CUDAMEM_HOST_DEVICE constexpr T* end() const noexcept { return data_ + size_; }
 
+  /// The first `n` elements (`n` at most size(); unchecked).
   CUDAMEM_HOST_DEVICE constexpr device_span first(std::size_t n) const noexcept {
     return {data_, n};
   }
+  /// The last `n` elements (`n` at most size(); unchecked).
   CUDAMEM_HOST_DEVICE constexpr device_span last(std::size_t n) const noexcept {
     return {data_ + (size_ - n), n};
   }
+  /// The `n` elements from `offset` (within the span; unchecked).
   CUDAMEM_HOST_DEVICE constexpr device_span subspan(std::size_t offset, std::size_t n) const noexcept {
     return {data_ + offset, n};
   }
+  /// The elements from `offset` to the end (`offset` at most size(); unchecked).
   CUDAMEM_HOST_DEVICE constexpr device_span subspan(std::size_t offset) const noexcept {
     return {data_ + offset, size_ - offset};
   }

@@ -61,6 +61,7 @@ namespace cudamem {
 /// A failed CUDA runtime or driver call.
 class cuda_error : public std::runtime_error {
  public:
+  /// An error for `code`; what() reads "<context>: <name> (<description>) at <file>:<line>".
   cuda_error(cudaError_t code, std::string_view context,
              std::source_location where = std::source_location::current())
       : std::runtime_error(compose(code, context, where)), code_(code), where_(where) {}
@@ -94,6 +95,7 @@ class cuda_error : public std::runtime_error {
 /// runtime, or the stub library that ships with the toolkit for building without a driver.
 class no_device_error : public cuda_error {
  public:
+  /// An error for `code`, with a hint of what to check (the driver, nvidia-smi) in what().
   no_device_error(cudaError_t code, std::string_view context,
                   std::source_location where = std::source_location::current())
       : cuda_error(code, with_hint(code, context), where) {}
@@ -134,9 +136,9 @@ inline void check(cudaError_t code, std::string_view context = {},
 /// What the error handler receives. `code` is cudaSuccess for problems found by cudamem
 /// itself rather than returned by CUDA (a leak, a double free).
 struct error_report {
-  cudaError_t code;
-  std::string_view message;
-  std::source_location where;
+  cudaError_t code;            ///< the CUDA code, or cudaSuccess for a problem cudamem found
+  std::string_view message;    ///< what went wrong, one line
+  std::source_location where;  ///< where it was reported from
 };
 
 /// An error handler: called for failures in destructors and other places that cannot throw.

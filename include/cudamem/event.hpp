@@ -51,6 +51,7 @@ struct event_options {
 /// An owning CUDA event; see the contract above.
 class event {
  public:
+  /// Creates an event on `options.device` (-1: the current device).
   explicit event(event_options options = {}) {
     const int device = options.device < 0 ? current_device() : options.device;
     device_guard on{device};
@@ -67,9 +68,11 @@ class event {
   event(const event&) = delete;
   event& operator=(const event&) = delete;
 
+  /// Takes `other`'s event; `other` holds nothing after.
   event(event&& other) noexcept
       : handle_(std::exchange(other.handle_, nullptr)), device_(std::exchange(other.device_, -1)) {}
 
+  /// Destroys the event held, then takes `other`'s.
   event& operator=(event&& other) noexcept {
     if (this != &other) {
       destroy();
@@ -79,9 +82,11 @@ class event {
     return *this;
   }
 
+  /// The CUDA handle; nullptr for a moved-from event.
   [[nodiscard]] cudaEvent_t get() const noexcept { return handle_; }
   /// The device the event was created on; -1 for a moved-from event.
   [[nodiscard]] int device() const noexcept { return device_; }
+  /// False for a moved-from event.
   [[nodiscard]] explicit operator bool() const noexcept { return handle_ != nullptr; }
 
   /// Marks the point `s` has reached (all work submitted to it so far).

@@ -81,13 +81,14 @@ namespace cudamem {
 /// `par_nosync(alloc)`; see the contract above.
 class thrust_temporary_allocator {
  public:
-  using value_type = std::byte;
-  using size_type = std::size_t;
-  using difference_type = std::ptrdiff_t;
+  using value_type = std::byte;            ///< bytes
+  using size_type = std::size_t;           ///< counts of bytes
+  using difference_type = std::ptrdiff_t;  ///< pointer differences
 
   /// Every temporary is aligned like cudaMalloc's memory (CUB relies on 256 bytes).
   static constexpr std::size_t alignment = default_alignment;
 
+  /// From `mr` (device-accessible, else std::invalid_argument), in stream order on `stream`.
   thrust_temporary_allocator(memory_resource& mr, stream_view stream,
                              std::source_location where = std::source_location::current())
       : mr_(&detail::require_device_accessible(mr, "thrust_temporary_allocator")),
@@ -112,8 +113,11 @@ class thrust_temporary_allocator {
     mr_->deallocate(p, bytes, alignment, stream_);
   }
 
+  /// The resource it allocates from.
   [[nodiscard]] memory_resource& resource() const noexcept { return *mr_; }
+  /// The stream its temporaries are ordered on.
   [[nodiscard]] stream_view stream() const noexcept { return stream_; }
+  /// The line that made it: every temporary's call site for the resource.
   [[nodiscard]] const std::source_location& site() const noexcept { return where_; }
 
   /// Equal allocators can free each other's memory in the same stream order.
@@ -140,6 +144,7 @@ using thrust_nosync_policy =
 /// A thrust execution policy on `stream` whose temporaries come from `mr`; see the contract.
 class exec_policy : public detail::thrust_nosync_policy {
  public:
+  /// Algorithms on `stream`, temporaries from `mr` (device-accessible, else std::invalid_argument).
   exec_policy(memory_resource& mr, stream_view stream,
               std::source_location where = std::source_location::current())
       : detail::thrust_nosync_policy(
@@ -154,8 +159,11 @@ class exec_policy : public detail::thrust_nosync_policy {
     return exec_policy(*mr_, stream, where_);
   }
 
+  /// The resource temporaries come from.
   [[nodiscard]] memory_resource& resource() const noexcept { return *mr_; }
+  /// The stream the algorithms and their temporaries run on.
   [[nodiscard]] stream_view stream() const noexcept { return stream_; }
+  /// The line that made it: every temporary's call site for the resource.
   [[nodiscard]] const std::source_location& site() const noexcept { return where_; }
 
  private:

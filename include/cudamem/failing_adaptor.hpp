@@ -43,6 +43,7 @@
 
 namespace cudamem {
 
+/// Forwards to its upstream, except the allocations its plan fails with `out_of_memory`.
 class failing_adaptor final : public memory_resource {
  public:
   /// Passes everything to `upstream` until a plan says otherwise.

@@ -72,12 +72,14 @@ namespace cudamem {
 /// A failed system call while passing descriptors; `code()` is the errno (or std::errc).
 class fd_passing_error : public std::system_error {
  public:
+  /// The failure `code`, with `what` saying which call failed.
   fd_passing_error(std::error_code code, const std::string& what) : std::system_error(code, what) {}
 };
 
 /// The other end of the socket is gone (the other process exited, was killed, or closed it).
 class peer_closed_error : public fd_passing_error {
  public:
+  /// The peer is gone; `what` says which call found out.
   explicit peer_closed_error(const std::string& what)
       : fd_passing_error(std::make_error_code(std::errc::connection_reset), what) {}
 };
@@ -86,12 +88,15 @@ class peer_closed_error : public fd_passing_error {
 class unique_fd {
  public:
   unique_fd() noexcept = default;
+  /// Takes ownership of `fd` (-1: none).
   explicit unique_fd(int fd) noexcept : fd_(fd) {}
   ~unique_fd() { reset(); }
 
   unique_fd(const unique_fd&) = delete;
   unique_fd& operator=(const unique_fd&) = delete;
+  /// Takes `other`'s descriptor; `other` holds none after.
   unique_fd(unique_fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
+  /// Closes the descriptor held, then takes `other`'s.
   unique_fd& operator=(unique_fd&& other) noexcept {
     if (this != &other) {
       reset(std::exchange(other.fd_, -1));
@@ -99,7 +104,9 @@ class unique_fd {
     return *this;
   }
 
+  /// The descriptor; -1 for none.
   [[nodiscard]] int get() const noexcept { return fd_; }
+  /// Whether it holds a descriptor.
   [[nodiscard]] explicit operator bool() const noexcept { return fd_ >= 0; }
   /// Gives up ownership: the caller closes it.
   [[nodiscard]] int release() noexcept { return std::exchange(fd_, -1); }
@@ -122,8 +129,8 @@ inline constexpr std::size_t max_payload_bytes = std::size_t{64} << 10;
 
 /// What one `receive_fds` got.
 struct received_fds {
-  std::vector<unique_fd> fds;
-  std::vector<std::byte> payload;
+  std::vector<unique_fd> fds;      ///< the descriptors, in the order sent, owned
+  std::vector<std::byte> payload;  ///< the bytes sent with them
 
   /// The payload as a trivially copyable T; `fd_passing_error` (protocol_error) when its size
   /// is not sizeof(T).
@@ -280,6 +287,7 @@ inline void send_fds(int socket, std::span<const int> fds, std::span<const std::
   }
 }
 
+/// send_fds for a braced list: `send_fds(socket, {fd1, fd2}, payload)`.
 inline void send_fds(int socket, std::initializer_list<int> fds,
                      std::span<const std::byte> payload = {}) {
   send_fds(socket, std::span<const int>(fds.begin(), fds.size()), payload);

@@ -25,6 +25,7 @@
 
 namespace cudamem {
 
+/// Ordinary host memory (aligned operator new) as a resource of kind `host`.
 class host_resource final : public memory_resource {
  public:
   host_resource() noexcept : memory_resource(memory_kind::host, -1) {}

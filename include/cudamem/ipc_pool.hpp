@@ -116,23 +116,23 @@ struct ipc_pool_options {
 
 /// What the importer needs besides the pool's fd. Trivially copyable: send it as the payload.
 struct ipc_pool_descriptor {
-  std::uint32_t version = 1;
+  std::uint32_t version = 1;     ///< the layout's version; importers refuse others
   detail::device_uuid device{};  ///< where the memory lives
   std::uint64_t pool_id = 0;     ///< which pool (random, chosen at creation)
 };
 
 /// A pool exported for one importer: the fd to send and its descriptor.
 struct ipc_pool_export {
-  unique_fd fd;
-  ipc_pool_descriptor descriptor;
+  unique_fd fd;                    ///< the pool's handle, to send (fd_passing.hpp)
+  ipc_pool_descriptor descriptor;  ///< to send with it, as the payload
 };
 
 /// One exported allocation. Trivially copyable: any channel will do (it is not a capability:
 /// only a process that imported the pool can use it).
 struct ipc_pointer {
-  cudaMemPoolPtrExportData data{};
-  std::uint64_t pool_id = 0;
-  std::uint64_t bytes = 0;
+  cudaMemPoolPtrExportData data{};  ///< CUDA's token for the allocation
+  std::uint64_t pool_id = 0;        ///< the pool it belongs to
+  std::uint64_t bytes = 0;          ///< its size
 };
 static_assert(std::is_trivially_copyable_v<ipc_pool_descriptor>);
 static_assert(std::is_trivially_copyable_v<ipc_pointer>);
@@ -140,6 +140,8 @@ static_assert(std::is_trivially_copyable_v<ipc_pointer>);
 /// A stream-ordered pool whose allocations other processes can import; see the contract.
 class ipc_pool_resource final : public memory_resource {
  public:
+  /// A shareable pool of its own on `options.device`; throws cuda_error on a device whose pools
+  /// cannot export POSIX file descriptors.
   explicit ipc_pool_resource(ipc_pool_options options = {})
       : memory_resource(memory_kind::device, detail::resolve_device(options.device)) {
     const device_guard on{device()};
@@ -217,7 +219,9 @@ class ipc_pool_resource final : public memory_resource {
     return token;
   }
 
+  /// What an importer needs besides the fd (also in each export_pool()).
   [[nodiscard]] const ipc_pool_descriptor& descriptor() const noexcept { return descriptor_; }
+  /// The CUDA pool, for calls cudamem does not make.
   [[nodiscard]] cudaMemPool_t pool_handle() const noexcept { return pool_; }
 
  private:
@@ -302,12 +306,14 @@ class imported_pointer {
 
   imported_pointer(const imported_pointer&) = delete;
   imported_pointer& operator=(const imported_pointer&) = delete;
+  /// Takes `other`'s mapping; `other` holds nothing after.
   imported_pointer(imported_pointer&& other) noexcept
       : ptr_(std::exchange(other.ptr_, nullptr)),
         bytes_(std::exchange(other.bytes_, 0)),
         device_(other.device_),
         access_(std::exchange(other.access_, nullptr)),
         live_(std::exchange(other.live_, nullptr)) {}
+  /// Frees the mapping held, then takes `other`'s.
   imported_pointer& operator=(imported_pointer&& other) noexcept {
     if (this != &other) {
       reset();
@@ -320,10 +326,13 @@ class imported_pointer {
     return *this;
   }
 
+  /// The memory, mapped in this process; nullptr when empty.
   [[nodiscard]] void* get() const noexcept { return ptr_; }
+  /// Its size in bytes.
   [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
   /// The device (in this process) the memory lives on.
   [[nodiscard]] int device() const noexcept { return device_; }
+  /// False when empty (default-made or moved from).
   [[nodiscard]] explicit operator bool() const noexcept { return ptr_ != nullptr; }
   /// The memory as `bytes() / sizeof(T)` elements of T, for kernels.
   template <class T>
@@ -385,6 +394,8 @@ struct imported_pool_options {
 /// Another process's pool, imported; see the contract above.
 class imported_pool {
  public:
+  /// Imports the pool `handle` refers to, taking the fd. Throws std::invalid_argument for a
+  /// closed fd, ipc_error for a descriptor of another version.
   imported_pool(unique_fd handle, const ipc_pool_descriptor& descriptor,
                 imported_pool_options options = {})
       : descriptor_(descriptor) {
@@ -458,6 +469,7 @@ class imported_pool {
   /// The devices that may use the memory: device() first, then the importing thread's device
   /// (when another) and access_from's, each once.
   [[nodiscard]] const std::vector<int>& access_devices() const noexcept { return access_; }
+  /// The descriptor it was imported with.
   [[nodiscard]] const ipc_pool_descriptor& descriptor() const noexcept { return descriptor_; }
   /// Imported pointers alive now.
   [[nodiscard]] long live_imports() const noexcept { return live_.load(); }

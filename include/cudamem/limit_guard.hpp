@@ -62,6 +62,7 @@ namespace cudamem {
 /// Sets a device limit for a scope; see the contract above.
 class limit_guard {
  public:
+  /// Sets `limit` to `value` on the current device; the destructor restores the old value.
   limit_guard(cudaLimit limit, std::size_t value) : limit_guard(limit, value, false) {}
 
   // restore() reports anything that is not the documented "fixed after use".
@@ -103,6 +104,7 @@ class limit_guard {
     return false;
   }
 
+  /// The limit it guards.
   [[nodiscard]] cudaLimit limit() const noexcept { return limit_; }
   /// The value in force in the scope, as the driver set it (it may round or clamp).
   [[nodiscard]] std::size_t value() const noexcept { return value_; }
@@ -146,6 +148,7 @@ class limit_guard {
 /// At least `bytes` of device malloc/new heap for a scope; see the contract above.
 class heap_limit_guard : public limit_guard {
  public:
+  /// Raises the heap to at least `bytes` (a larger heap is left alone).
   explicit heap_limit_guard(std::size_t bytes) : limit_guard(cudaLimitMallocHeapSize, bytes, true) {}
 };
 

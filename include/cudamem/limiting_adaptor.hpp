@@ -37,14 +37,18 @@
 
 namespace cudamem {
 
+/// A byte budget over its upstream: a request past the budget throws `out_of_memory`.
 class limiting_adaptor final : public detail::adaptor_base<limiting_adaptor> {
  public:
+  /// At most `budget_bytes` in use through it, from `upstream` (referred to, not owned).
   limiting_adaptor(memory_resource& upstream, std::size_t budget_bytes) noexcept
       : adaptor_base(upstream), budget_(budget_bytes) {}
 
+  /// The budget now, in bytes.
   [[nodiscard]] std::size_t budget() const noexcept {
     return budget_.load(detail::memory_order_relaxed);
   }
+  /// A new budget, from the next request on; nothing in use is taken back.
   void set_budget(std::size_t budget_bytes) noexcept {
     budget_.store(budget_bytes, detail::memory_order_relaxed);
   }

@@ -49,20 +49,27 @@
 
 namespace cudamem {
 
-enum class log_event_kind : char { allocate = 'A', free = 'F', out_of_memory = 'O' };
+/// What a line records.
+enum class log_event_kind : char {
+  allocate = 'A',       ///< an allocation
+  free = 'F',           ///< a free
+  out_of_memory = 'O',  ///< an allocation that failed
+};
 
 /// One line of the log.
 struct log_event {
+  /// A, F or O.
   log_event_kind kind = log_event_kind::allocate;
-  std::uint64_t t_ns = 0;
-  std::uint32_t thread = 0;
-  bool synchronous = false;       ///< the synchronous form: `stream` is meaningless
-  std::uint64_t stream = 0;       ///< the stream handle, as a number
-  std::uint64_t pointer = 0;      ///< as a number (0 for out_of_memory)
-  std::size_t bytes = 0;
-  std::size_t alignment = 0;
-  std::optional<std::size_t> reserved;
+  std::uint64_t t_ns = 0;               ///< nanoseconds since the log was opened
+  std::uint32_t thread = 0;             ///< 1, 2, ... in the order threads first appear
+  bool synchronous = false;             ///< the synchronous form: `stream` is meaningless
+  std::uint64_t stream = 0;             ///< the stream handle, as a number
+  std::uint64_t pointer = 0;            ///< as a number (0 for out_of_memory)
+  std::size_t bytes = 0;                ///< bytes requested (for F: passed to deallocate)
+  std::size_t alignment = 0;            ///< alignment requested
+  std::optional<std::size_t> reserved;  ///< bytes the chain's leaf held after it, if sampled
 
+  /// Field by field.
   friend bool operator==(const log_event&, const log_event&) = default;
 };
 

@@ -53,6 +53,7 @@ struct logging_options {
   bool sample_reserved = false;  ///< log the bytes the chain's leaf holds at each event
 };
 
+/// Forwards to its upstream and writes one line per allocation, free and failure.
 class logging_adaptor final : public detail::adaptor_base<logging_adaptor> {
  public:
   /// Logs to `out`, which must outlive the adaptor.

@@ -37,6 +37,7 @@
 
 namespace cudamem {
 
+/// Unified memory from cudaMallocManaged / cudaFree, reachable from host and device.
 class managed_resource final : public memory_resource {
  public:
   /// Managed memory with cudaMallocManaged flag `attach`, allocated with `device` current

@@ -78,12 +78,15 @@ enum class memory_kind {
   host,     ///< ordinary host memory: host only
 };
 
+/// Whether the host can read and write memory of this kind (all kinds but `device`).
 [[nodiscard]] constexpr bool is_host_accessible(memory_kind kind) noexcept {
   return kind != memory_kind::device;
 }
+/// Whether kernels can read and write memory of this kind (all kinds but `host`).
 [[nodiscard]] constexpr bool is_device_accessible(memory_kind kind) noexcept {
   return kind != memory_kind::host;
 }
+/// The kind as messages name it: "device", "pinned host", "managed", "host".
 [[nodiscard]] constexpr std::string_view to_string(memory_kind kind) noexcept {
   switch (kind) {
     case memory_kind::device: return "device";
@@ -212,17 +215,21 @@ class memory_resource {
 
   // --- the names CCCL's cuda::mr concepts look for ----------------------------------------------
 
+  /// The stream-ordered `allocate`, under CCCL's name.
   [[nodiscard]] void* allocate_async(std::size_t bytes, std::size_t alignment, stream_view s,
                                      std::source_location where = std::source_location::current()) {
     return allocate(bytes, alignment, s, where);
   }
+  /// The stream-ordered `deallocate`, under CCCL's name.
   void deallocate_async(void* p, std::size_t bytes, std::size_t alignment, stream_view s) noexcept {
     deallocate(p, bytes, alignment, s);
   }
+  /// The synchronous `allocate`, under CCCL's name.
   [[nodiscard]] void* allocate_sync(std::size_t bytes, std::size_t alignment = default_alignment,
                                     std::source_location where = std::source_location::current()) {
     return allocate(bytes, alignment, where);
   }
+  /// The synchronous `deallocate`, under CCCL's name.
   void deallocate_sync(void* p, std::size_t bytes,
                        std::size_t alignment = default_alignment) noexcept {
     deallocate(p, bytes, alignment);
@@ -234,10 +241,12 @@ class memory_resource {
   [[nodiscard]] bool is_equal(const memory_resource& other) const noexcept {
     return this == &other || do_is_equal(other);
   }
+  /// `a.is_equal(b)`.
   friend bool operator==(const memory_resource& a, const memory_resource& b) noexcept {
     return a.is_equal(b);
   }
 
+  /// What kind of memory it gives out: who can reach it (device, host or both).
   [[nodiscard]] memory_kind kind() const noexcept { return kind_; }
   /// The device the memory belongs to; -1 for plain host memory.
   [[nodiscard]] int device() const noexcept { return device_; }
@@ -262,6 +271,7 @@ class memory_resource {
   }
 
  protected:
+  /// For derived resources: the kind and device of the memory they give out.
   memory_resource(memory_kind kind, int device) noexcept : kind_(kind), device_(device) {}
 
   /// For adaptors, which pass on a request their own `allocate` has already checked (bytes
@@ -271,6 +281,7 @@ class memory_resource {
                                 std::size_t alignment, stream_view stream) {
     return upstream.do_allocate(bytes, alignment, stream);
   }
+  /// The synchronous form: to `upstream`'s synchronous implementation.
   static void* allocate_checked(memory_resource& upstream, std::size_t bytes,
                                 std::size_t alignment) {
     return upstream.do_allocate_sync(bytes, alignment);
@@ -287,7 +298,9 @@ class memory_resource {
   }
 
  private:
+  /// Implements the stream-ordered `allocate` (bytes non-zero, alignment checked).
   virtual void* do_allocate(std::size_t bytes, std::size_t alignment, stream_view stream) = 0;
+  /// Implements the stream-ordered `deallocate` (p non-null); reports failures, never throws.
   virtual void do_deallocate(void* p, std::size_t bytes, std::size_t alignment,
                              stream_view stream) noexcept = 0;
 
@@ -307,10 +320,15 @@ class memory_resource {
     do_deallocate(p, bytes, alignment, stream_view{});
   }
 
+  /// Implements `is_equal` for another object. Default: only the same object is equal.
   virtual bool do_is_equal(const memory_resource& /*other*/) const noexcept { return false; }
+  /// Implements `name()`.
   virtual std::string_view do_name() const noexcept { return "memory_resource"; }
+  /// Implements `stats()`. Default: all zero.
   virtual resource_stats do_stats() const { return {}; }
+  /// Implements `upstream()`. Default: nullptr, a leaf.
   virtual memory_resource* do_upstream() const noexcept { return nullptr; }
+  /// Implements `allows_nvtx_heaps()`. Default: false.
   virtual bool do_allows_nvtx_heaps() const noexcept { return false; }
   /// Default: nothing of its own to say; the report's general advice for the verdict stands.
   virtual std::string do_oom_hint(const memory_report& /*report*/,

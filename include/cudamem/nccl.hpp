@@ -134,6 +134,8 @@ namespace cudamem {
 /// - Thread-safe, with the communicator caveat of the header's contract.
 class nccl_registering_adaptor final : public detail::adaptor_base<nccl_registering_adaptor> {
  public:
+  /// Registers with `comm` what it takes from `upstream` (device memory on comm's device, else
+  /// std::invalid_argument). `calls` is NCCL itself; tests pass a fake.
   nccl_registering_adaptor(memory_resource& upstream, ncclComm_t comm,
                            const detail::nccl_calls& calls = detail::nccl_library_calls())
       : adaptor_base(upstream), comm_(comm), calls_(&calls) {
@@ -175,12 +177,14 @@ class nccl_registering_adaptor final : public detail::adaptor_base<nccl_register
   nccl_registering_adaptor(const nccl_registering_adaptor&) = delete;
   nccl_registering_adaptor& operator=(const nccl_registering_adaptor&) = delete;
 
+  /// The communicator it registers with.
   [[nodiscard]] ncclComm_t communicator() const noexcept { return comm_; }
   /// Registrations live now, and their bytes.
   [[nodiscard]] std::size_t registrations() const {
     const detail::lock_guard lock(mutex_);
     return live_.size();
   }
+  /// Bytes of the registrations live now.
   [[nodiscard]] std::size_t registered_bytes() const {
     const detail::lock_guard lock(mutex_);
     return registered_bytes_;
@@ -291,6 +295,7 @@ class nccl_registering_adaptor final : public detail::adaptor_base<nccl_register
 /// - stats(): bytes asked for (ncclMemAlloc rounds each up to a granule).
 class nccl_mem_resource final : public memory_resource {
  public:
+  /// Memory from ncclMemAlloc on `device` (-1: the current device).
   explicit nccl_mem_resource(int device = -1)
       : memory_resource(memory_kind::device, detail::resolve_device(device)) {}
 

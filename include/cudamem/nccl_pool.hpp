@@ -69,7 +69,7 @@ struct nccl_pool_options {
   /// Requests of [registered_min_bytes, registered_max_bytes] come from registered chunks;
   /// the defaults are where NCCL's registered path won on two H100s (see the header).
   std::size_t registered_min_bytes = std::size_t{8} << 20;
-  std::size_t registered_max_bytes = std::size_t{256} << 20;
+  std::size_t registered_max_bytes = std::size_t{256} << 20;  ///< (the range's upper end)
   pool_options registered_pool = {};  ///< the pool over registered memory
   pool_options plain_pool = {};       ///< the pool over memory NCCL does not see registered
 };
@@ -97,12 +97,15 @@ class nccl_pool {
   [[nodiscard]] memory_resource& resource() noexcept { return router_; }
   /// The pool of registered chunks, and the plain one.
   [[nodiscard]] pool_resource& registered_pool() noexcept { return registered_; }
+  /// The pool of plain chunks, for the other sizes.
   [[nodiscard]] pool_resource& plain_pool() noexcept { return plain_; }
   /// The adaptor that registers the registered pool's chunks (its counts).
   [[nodiscard]] const nccl_registering_adaptor& registering() const noexcept {
     return registering_;
   }
+  /// Registrations made since construction (one per registered chunk).
   [[nodiscard]] std::size_t registrations_made() const { return registering_.registrations_made(); }
+  /// The options it was made with.
   [[nodiscard]] const nccl_pool_options& options() const noexcept { return options_; }
   /// Whether a request of `bytes` is served from registered memory.
   [[nodiscard]] bool serves_registered(std::size_t bytes) const noexcept {

@@ -45,6 +45,7 @@
 
 namespace cudamem {
 
+/// Forwards to its upstream inside NVTX ranges, and counts its bytes in use for Nsight.
 class nvtx_adaptor final : public detail::adaptor_base<nvtx_adaptor> {
  public:
   /// Throws std::invalid_argument for an empty name (a timeline row needs one).
@@ -55,12 +56,14 @@ class nvtx_adaptor final : public detail::adaptor_base<nvtx_adaptor> {
     }
   }
 
+  /// The name its ranges and counter are shown under.
   [[nodiscard]] const std::string& label() const noexcept { return name_; }
   /// Bytes allocated through this adaptor and not yet freed.
   [[nodiscard]] std::int64_t bytes_in_use() const noexcept {
     return in_use_.load(detail::memory_order_relaxed);
   }
 
+  /// Its part of every allocate (called by the adaptor base): the upstream's, inside a range.
   void* adapt_allocate(std::size_t bytes, std::size_t alignment, detail::request_stream stream) {
     const bool traced = begin_range(true, bytes);
     void* p = nullptr;
@@ -74,6 +77,7 @@ class nvtx_adaptor final : public detail::adaptor_base<nvtx_adaptor> {
     return p;
   }
 
+  /// Its part of every deallocate (called by the adaptor base): the upstream's, inside a range.
   void adapt_deallocate(void* p, std::size_t bytes, std::size_t alignment,
                         detail::request_stream stream) noexcept {
     const bool traced = begin_range(false, bytes);

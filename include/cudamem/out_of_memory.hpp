@@ -31,12 +31,17 @@ namespace cudamem {
 /// A request a resource could not meet; see the contract above.
 class out_of_memory : public std::bad_alloc {
  public:
+  /// A failure, explained by `report`; what() is its text (memory_report::to_text()).
   explicit out_of_memory(memory_report report)
       : report_(std::move(report)), what_(report_.to_text()) {}
 
+  /// The report as text: the request, the verdict, what each resource holds, the advice.
   [[nodiscard]] const char* what() const noexcept override { return what_.c_str(); }
+  /// The structured diagnosis (memory_report.hpp).
   [[nodiscard]] const memory_report& report() const noexcept { return report_; }
+  /// The bytes of the request that failed.
   [[nodiscard]] std::size_t requested_bytes() const noexcept { return report_.requested_bytes; }
+  /// Why it failed, in one word (the report's verdict).
   [[nodiscard]] oom_verdict verdict() const noexcept { return report_.verdict; }
 
  private:

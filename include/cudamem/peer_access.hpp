@@ -64,6 +64,7 @@ namespace cudamem {
 /// Two devices that cannot access each other's memory (no peer path between them).
 class peer_access_error : public cuda_error {
  public:
+  /// `accessor` cannot reach `owner`'s memory (cudaErrorPeerAccessUnsupported).
   peer_access_error(int accessor, int owner,
                     std::source_location where = std::source_location::current())
       : cuda_error(cudaErrorPeerAccessUnsupported,
@@ -75,7 +76,9 @@ class peer_access_error : public cuda_error {
         accessor_(accessor),
         owner_(owner) {}
 
+  /// The device that asked for access.
   [[nodiscard]] int accessor() const noexcept { return accessor_; }
+  /// The device whose memory it asked for.
   [[nodiscard]] int owner() const noexcept { return owner_; }
 
  private:
@@ -210,9 +213,11 @@ class peer_access {
   peer_access(const peer_access&) = delete;
   peer_access& operator=(const peer_access&) = delete;
 
+  /// Takes `other`'s hold on the pair; `other` holds nothing after.
   peer_access(peer_access&& other) noexcept
       : accessor_(other.accessor_), owner_(other.owner_), holds_(std::exchange(other.holds_, false)) {}
 
+  /// Ends this guard's hold (disabling access if it was the last), then takes `other`'s.
   peer_access& operator=(peer_access&& other) noexcept {
     if (this != &other) {
       end();
@@ -223,7 +228,9 @@ class peer_access {
     return *this;
   }
 
+  /// The device whose kernels access the owner's memory.
   [[nodiscard]] int accessor() const noexcept { return accessor_; }
+  /// The device whose memory is accessed.
   [[nodiscard]] int owner() const noexcept { return owner_; }
   /// False for a moved-from guard and for a device and itself.
   [[nodiscard]] bool holds() const noexcept { return holds_; }

@@ -110,6 +110,7 @@ class resource_stack {
     return nullptr;
   }
 
+  /// The number of objects in the stack.
   [[nodiscard]] std::size_t size() const noexcept { return objects_.size(); }
 
  private:
@@ -139,6 +140,7 @@ class per_device_resources {
   /// resource to hand out for that device.
   using builder = std::function<memory_resource&(resource_stack& stack, int device)>;
 
+  /// Builds a stack on each device with `build` (not empty, else std::invalid_argument).
   explicit per_device_resources(const builder& build, per_device_options options = {})
       : devices_(resolve_devices(std::move(options.devices))) {
     if (!build) {
@@ -226,6 +228,7 @@ class per_device_resources {
 
   /// Device `device`'s resource; std::out_of_range if it holds none for it.
   [[nodiscard]] memory_resource& get(int device) const { return *find_entry(device).top; }
+  /// `get(device)`.
   [[nodiscard]] memory_resource& operator[](int device) const { return get(device); }
   /// The calling thread's current device's resource.
   [[nodiscard]] memory_resource& current() const { return get(current_device()); }
@@ -244,6 +247,7 @@ class per_device_resources {
 
   /// The devices it holds stacks for, in the order they were built.
   [[nodiscard]] const std::vector<int>& devices() const noexcept { return devices_; }
+  /// The number of devices it holds stacks for.
   [[nodiscard]] std::size_t size() const noexcept { return devices_.size(); }
 
  private:

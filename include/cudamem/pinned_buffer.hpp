@@ -58,6 +58,7 @@ namespace cudamem {
   return *resource;
 }
 
+/// A typed, move-only owner of `n` elements of page-locked host memory.
 template <class T>
 class pinned_buffer {
   static_assert(std::is_trivially_copyable_v<T>,
@@ -67,11 +68,12 @@ class pinned_buffer {
                 "pinned_buffer<T>: T must not be const or volatile");
 
  public:
-  using value_type = T;
-  using size_type = std::size_t;
-  using iterator = T*;
-  using const_iterator = const T*;
+  using value_type = T;             ///< the element type
+  using size_type = std::size_t;    ///< sizes and counts of elements
+  using iterator = T*;              ///< a plain pointer
+  using const_iterator = const T*;  ///< a plain pointer to const
 
+  /// The alignment every buffer asks for: enough for T, and at least `default_alignment`.
   static constexpr std::size_t alignment = std::max(alignof(T), default_alignment);
 
   /// `n` uninitialised elements from `mr`, freed later on `stream`.
@@ -109,12 +111,14 @@ class pinned_buffer {
     }
   }
 
-  pinned_buffer(const pinned_buffer&) = delete;  // copies are explicit: clone()
+  pinned_buffer(const pinned_buffer&) = delete;  ///< copies are explicit: clone()
   pinned_buffer& operator=(const pinned_buffer&) = delete;
 
+  /// Takes `other`'s memory, resource and stream; `other` is left empty.
   pinned_buffer(pinned_buffer&& other) noexcept
       : block_(std::move(other.block_)), size_(std::exchange(other.size_, 0)) {}
 
+  /// Frees what this buffer held (on its own stream), then takes `other`'s memory.
   pinned_buffer& operator=(pinned_buffer&& other) noexcept {
     if (this != &other) {
       block_ = std::move(other.block_);
@@ -127,31 +131,50 @@ class pinned_buffer {
 
   // --- a host range ---------------------------------------------------------------------------
 
+  /// Elements held.
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  /// Bytes held: size() * sizeof(T).
   [[nodiscard]] std::size_t size_bytes() const noexcept { return size_ * sizeof(T); }
+  /// Elements the memory has room for without another allocation.
   [[nodiscard]] std::size_t capacity() const noexcept { return block_.bytes() / sizeof(T); }
+  /// Whether size() is 0.
   [[nodiscard]] bool empty() const noexcept { return size_ == 0; }
+  /// The most elements whose bytes size_t can count.
   [[nodiscard]] static constexpr std::size_t max_size() noexcept {
     return std::numeric_limits<std::size_t>::max() / sizeof(T);
   }
 
+  /// The first element; nullptr when nothing is allocated.
   [[nodiscard]] T* data() noexcept { return static_cast<T*>(block_.get()); }
+  /// The first element, read-only.
   [[nodiscard]] const T* data() const noexcept { return static_cast<const T*>(block_.get()); }
+  /// The first element, for range-for and the standard algorithms.
   [[nodiscard]] T* begin() noexcept { return data(); }
+  /// One past the last element.
   [[nodiscard]] T* end() noexcept { return data() + size_; }
+  /// The first element, read-only.
   [[nodiscard]] const T* begin() const noexcept { return data(); }
+  /// One past the last element, read-only.
   [[nodiscard]] const T* end() const noexcept { return data() + size_; }
   /// Unchecked, like std::vector's.
   [[nodiscard]] T& operator[](std::size_t i) noexcept { return data()[i]; }
+  /// Element `i`, read-only; unchecked.
   [[nodiscard]] const T& operator[](std::size_t i) const noexcept { return data()[i]; }
 
+  /// The elements as a host span.
   [[nodiscard]] gsl::span<T> span() noexcept { return {data(), size_}; }
+  /// The elements as a read-only host span.
   [[nodiscard]] gsl::span<const T> span() const noexcept { return {data(), size_}; }
+  /// The span, implicitly: a buffer passes where a gsl::span is taken.
   operator gsl::span<T>() noexcept { return span(); }              // NOLINT: implicit by design
+  /// The read-only span, implicitly.
   operator gsl::span<const T>() const noexcept { return span(); }  // NOLINT: implicit by design
 
+  /// The stream the buffer will be freed on (and that resize and clone wait for).
   [[nodiscard]] stream_view stream() const noexcept { return block_.stream(); }
+  /// The resource it came from.
   [[nodiscard]] memory_resource& resource() const noexcept { return block_.resource(); }
+  /// The resource's device: the one whose context allocated the memory.
   [[nodiscard]] int device() const noexcept { return resource().device(); }
 
   // --- changing it ----------------------------------------------------------------------------
@@ -164,12 +187,14 @@ class pinned_buffer {
     block_.set_stream(stream);
   }
 
+  /// `n` elements, the first min(n, size()) kept (copied on the host); see the contract.
   void resize(std::size_t n, stream_view stream,
               std::source_location where = std::source_location::current()) {
     grow_to(n, stream, where);
     size_ = n;
   }
 
+  /// Room for `n` elements without another allocation; the size is unchanged.
   void reserve(std::size_t n, stream_view stream,
                std::source_location where = std::source_location::current()) {
     grow_to(n, stream, where);
@@ -187,6 +212,7 @@ class pinned_buffer {
     return copy;
   }
 
+  /// Gives up ownership: the buffer is left empty and frees nothing; see device_buffer::release.
   [[nodiscard]] released_memory release() noexcept {
     size_ = 0;
     return block_.release();

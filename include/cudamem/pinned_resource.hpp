@@ -39,6 +39,7 @@
 
 namespace cudamem {
 
+/// Page-locked host memory from cudaHostAlloc / cudaFreeHost.
 class pinned_resource final : public memory_resource {
  public:
   /// Pinned memory allocated with cudaHostAlloc `flags` in the context of `device`

@@ -34,6 +34,7 @@
 
 namespace cudamem {
 
+/// A host-accessible cudamem resource as a `std::pmr::memory_resource` (not owned).
 class pmr_resource final : public std::pmr::memory_resource {
  public:
   /// Serves std::pmr requests from `resource`, which must give host-accessible memory.

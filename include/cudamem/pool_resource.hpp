@@ -128,8 +128,11 @@ namespace cudamem {
 /// A sharded TLSF pool over any upstream resource; see the contract above.
 class pool_resource final : public memory_resource, private detail::stream_listener {
  public:
+  /// Every block is a multiple of this many bytes, and aligned to it.
   static constexpr std::size_t granule = detail::pool_policy::granule;
 
+  /// A pool over `upstream` (referred to, not owned). Throws std::invalid_argument for bad options,
+  /// `out_of_memory` when `options.initial_size` cannot be had.
   explicit pool_resource(memory_resource& upstream, pool_options options = {})
       : memory_resource(upstream.kind(), upstream.device()),
         options_(detail::validated_pool_options(options)),
@@ -215,12 +218,15 @@ class pool_resource final : public memory_resource, private detail::stream_liste
     return s;
   }
 
+  /// The options, as validated.
   [[nodiscard]] const pool_options& options() const noexcept { return options_; }
+  /// The number of shards (each a lock and its heaps).
   [[nodiscard]] std::size_t shard_count() const noexcept { return shards_.size(); }
   /// Number of chunks held from the upstream.
   [[nodiscard]] std::size_t chunk_count() const { return chunks_.count(); }
   /// The most held from the upstream since construction or reset_peak_reserved().
   [[nodiscard]] std::size_t peak_reserved_bytes() { return chunks_.peak_reserved(); }
+  /// Starts peak_reserved_bytes() again from what is held now.
   void reset_peak_reserved() { chunks_.reset_peak_reserved(); }
   /// The chunks held from the upstream, as (base, size) by address (a snapshot's segments).
   [[nodiscard]] std::vector<std::pair<std::uintptr_t, std::size_t>> chunk_ranges() const {

@@ -87,11 +87,13 @@ class primary_context {
   primary_context(const primary_context&) = delete;
   primary_context& operator=(const primary_context&) = delete;
 
+  /// Takes `other`'s retain; `other` holds nothing after.
   primary_context(primary_context&& other) noexcept
       : context_(std::exchange(other.context_, nullptr)),
         handle_(std::exchange(other.handle_, 0)),
         device_(std::exchange(other.device_, -1)) {}
 
+  /// Releases the retain held, then takes `other`'s.
   primary_context& operator=(primary_context&& other) noexcept {
     if (this != &other) {
       release();
@@ -106,6 +108,7 @@ class primary_context {
   [[nodiscard]] CUcontext get() const noexcept { return context_; }
   /// The runtime device id; -1 for a moved-from owner.
   [[nodiscard]] int device() const noexcept { return device_; }
+  /// False for a moved-from owner.
   [[nodiscard]] explicit operator bool() const noexcept { return context_ != nullptr; }
 
  private:

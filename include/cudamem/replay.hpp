@@ -50,23 +50,24 @@ namespace cudamem {
 
 /// Where a replay ran out.
 struct replay_failure {
-  std::size_t event_index = 0;  ///< 0-based index into the events
-  std::uint64_t t_ns = 0;       ///< the event's time in the original run
-  std::size_t bytes = 0;
-  oom_verdict verdict = oom_verdict::unknown;
-  std::string report;  ///< the out_of_memory's text
+  std::size_t event_index = 0;                 ///< 0-based index into the events
+  std::uint64_t t_ns = 0;                      ///< the event's time in the original run
+  std::size_t bytes = 0;                       ///< bytes of the request that failed
+  oom_verdict verdict = oom_verdict::unknown;  ///< the out_of_memory's verdict
+  std::string report;                          ///< the out_of_memory's text
 };
 
+/// What a `replay` did: how far it got, and what the new stack held.
 struct replay_result {
-  std::size_t events = 0;          ///< events replayed (up to and including a failure)
-  std::size_t allocations = 0;     ///< successful allocations
-  std::size_t frees = 0;
-  std::size_t unmatched_frees = 0;
+  std::size_t events = 0;                   ///< events replayed (up to and including a failure)
+  std::size_t allocations = 0;              ///< successful allocations
+  std::size_t frees = 0;                    ///< frees replayed
+  std::size_t unmatched_frees = 0;          ///< F lines of pointers not held: skipped
   std::size_t logged_failures = 0;          ///< O lines seen
   std::size_t logged_failures_avoided = 0;  ///< ... that the new stack served
-  std::size_t peak_in_use = 0;
-  std::size_t peak_reserved = 0;
-  std::optional<replay_failure> failure;
+  std::size_t peak_in_use = 0;              ///< most requested bytes live at once
+  std::size_t peak_reserved = 0;            ///< most the stack's leaf held
+  std::optional<replay_failure> failure;    ///< where it ran out, if it did
 
   /// A few lines: counts, peaks in human units, and the failure if there was one.
   [[nodiscard]] std::string to_text() const {
@@ -95,6 +96,7 @@ struct replay_result {
   }
 };
 
+/// How `replay` runs a log.
 struct replay_options {
   chrome_trace* trace = nullptr;  ///< if set, receives counter samples and the failure
   std::size_t sample_every = 1;   ///< events between trace samples

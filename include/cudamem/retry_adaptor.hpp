@@ -38,6 +38,7 @@
 
 namespace cudamem {
 
+/// Forwards to its upstream; on `out_of_memory`, calls the callback and retries.
 class retry_adaptor final : public detail::adaptor_base<retry_adaptor> {
  public:
   /// Whether the callback freed something worth another try.
@@ -53,6 +54,7 @@ class retry_adaptor final : public detail::adaptor_base<retry_adaptor> {
     }
   }
 
+  /// The most retries for one request (a negative value given is 0).
   [[nodiscard]] int max_retries() const noexcept { return max_retries_; }
   /// Retries made so far, over all requests.
   [[nodiscard]] std::size_t retries() const noexcept {

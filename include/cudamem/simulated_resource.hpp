@@ -63,13 +63,15 @@ enum class simulated_layout {
 /// How to create a `simulated_resource`.
 struct simulated_options {
   std::size_t capacity = std::size_t{80} << 30;  ///< the pretend device's total memory
-  simulated_layout layout = simulated_layout::first_fit;
+  simulated_layout layout = simulated_layout::first_fit;  ///< first fit (fragments) or paged
   std::size_t granularity = 256;  ///< sizes and addresses are multiples of it (power of two)
 };
 
 /// A pretend device with no memory behind it; see the contract above.
 class simulated_resource final : public memory_resource {
  public:
+  /// A pretend device of `options.capacity` bytes. Throws std::invalid_argument for a granularity
+  /// that is not a power of two or a capacity outside [granularity, 2^46].
   explicit simulated_resource(simulated_options options = {})
       : memory_resource(memory_kind::device, -1), options_(options), base_(next_base()) {
     if (!std::has_single_bit(options_.granularity)) {
@@ -90,6 +92,7 @@ class simulated_resource final : public memory_resource {
 
   /// The pretend device's total memory.
   [[nodiscard]] std::size_t capacity() const noexcept { return options_.capacity; }
+  /// How it lays out its memory.
   [[nodiscard]] simulated_layout layout() const noexcept { return options_.layout; }
 
   /// Bytes handed out and not yet freed (rounded to the granularity).

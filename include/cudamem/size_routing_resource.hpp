@@ -80,8 +80,8 @@ namespace cudamem {
 /// Which requests a size_routing_resource sends to its `in_range` resource: those of
 /// min_bytes to max_bytes bytes, both included.
 struct size_routing_options {
-  std::size_t min_bytes = 0;
-  std::size_t max_bytes = SIZE_MAX;
+  std::size_t min_bytes = 0;         ///< the smallest request routed to `in_range`
+  std::size_t max_bytes = SIZE_MAX;  ///< the largest request routed to `in_range`
 };
 
 /// Sends each request to one of two resources by its size; see the contract above.
@@ -97,9 +97,13 @@ class size_routing_resource final : public memory_resource {
         min_bytes_(range.min_bytes),
         max_bytes_(range.max_bytes) {}
 
+  /// The resource for requests in [min_bytes(), max_bytes()].
   [[nodiscard]] memory_resource& in_range_resource() const noexcept { return *in_range_; }
+  /// The resource for all other requests.
   [[nodiscard]] memory_resource& otherwise_resource() const noexcept { return *otherwise_; }
+  /// The smallest request sent to the in_range resource.
   [[nodiscard]] std::size_t min_bytes() const noexcept { return min_bytes_; }
+  /// The largest request sent to the in_range resource.
   [[nodiscard]] std::size_t max_bytes() const noexcept { return max_bytes_; }
 
   /// Whether a request of `bytes` goes to the in_range resource.

@@ -135,11 +135,13 @@ inline std::uint64_t next_statistics_adaptor_id() noexcept {
 
 }  // namespace detail
 
+/// Forwards to its upstream and counts: bytes and allocations in use, peaks, totals.
 class statistics_adaptor final : public detail::adaptor_base<statistics_adaptor> {
  public:
   /// Threads that get a counter slot of their own (see the contract).
   static constexpr std::size_t thread_slots = 64;
 
+  /// Counts what passes to `upstream` (referred to, not owned).
   explicit statistics_adaptor(memory_resource& upstream, statistics_options options = {})
       : adaptor_base(upstream),
         id_(detail::next_statistics_adaptor_id()),
@@ -177,6 +179,7 @@ class statistics_adaptor final : public detail::adaptor_base<statistics_adaptor>
   /// Counts what passes through `adaptor` while it lives; see the contract.
   class scope {
    public:
+    /// Starts counting what passes through `adaptor` from now; it must outlive the scope.
     explicit scope(statistics_adaptor& adaptor) : adaptor_(&adaptor) {
       const detail::lock_guard lock(adaptor.scopes_mutex_);
       start_ = adaptor.counters();

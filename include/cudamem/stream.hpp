@@ -46,6 +46,7 @@ class stream_view {
  public:
   /// The legacy default stream (handle 0): synchronises with other blocking streams.
   constexpr stream_view() noexcept = default;
+  /// A view of `handle` (not owned), implicitly: a cudaStream_t passes where a view is taken.
   constexpr stream_view(cudaStream_t handle) noexcept : handle_(handle) {}  // NOLINT: implicit by design
 
   /// Any stream-reference type with `.get()` returning a cudaStream_t (e.g. cuda::stream_ref).
@@ -64,6 +65,7 @@ class stream_view {
     return stream_view{cudaStreamPerThread};
   }
 
+  /// The CUDA handle, for CUDA calls and kernel launches.
   [[nodiscard]] constexpr cudaStream_t get() const noexcept { return handle_; }
 
   /// True for the null handle, cudaStreamLegacy and cudaStreamPerThread.
@@ -85,6 +87,7 @@ class stream_view {
     return true;
   }
 
+  /// Whether both name the same handle.
   friend constexpr bool operator==(stream_view a, stream_view b) noexcept {
     return a.handle_ == b.handle_;
   }
@@ -179,9 +182,11 @@ class stream {
   stream(const stream&) = delete;
   stream& operator=(const stream&) = delete;
 
+  /// Takes `other`'s stream; `other` holds nothing after.
   stream(stream&& other) noexcept
       : handle_(std::exchange(other.handle_, nullptr)), device_(std::exchange(other.device_, -1)) {}
 
+  /// Destroys the stream held, then takes `other`'s.
   stream& operator=(stream&& other) noexcept {
     if (this != &other) {
       destroy();  // release what we hold before taking the other one
@@ -191,15 +196,20 @@ class stream {
     return *this;
   }
 
+  /// The CUDA handle; nullptr for a moved-from stream.
   [[nodiscard]] cudaStream_t get() const noexcept { return handle_; }
+  /// A non-owning view, for functions that take one.
   [[nodiscard]] stream_view view() const noexcept { return stream_view{handle_}; }
+  /// The view, implicitly: a stream passes where a stream_view is taken.
   operator stream_view() const noexcept { return view(); }  // NOLINT: implicit by design
   /// The device the stream was created on; -1 for a moved-from stream.
   [[nodiscard]] int device() const noexcept { return device_; }
   /// False for a moved-from stream.
   [[nodiscard]] explicit operator bool() const noexcept { return handle_ != nullptr; }
 
+  /// Blocks the calling thread until all work submitted to the stream has finished.
   void synchronize() const { view().synchronize(); }
+  /// Whether all work submitted to the stream has finished. Throws on a real error.
   [[nodiscard]] bool is_idle() const { return view().is_idle(); }
 
  private:

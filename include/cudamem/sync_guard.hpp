@@ -43,6 +43,7 @@ namespace cudamem {
 /// Synchronises a stream when the scope ends; see the contract above.
 class synchronize_on_exit {
  public:
+  /// Waits for `stream` when the scope ends.
   explicit synchronize_on_exit(stream_view stream) noexcept : stream_(stream) {}
 
   ~synchronize_on_exit() {
@@ -65,6 +66,7 @@ class synchronize_on_exit {
   /// The caller has made sure the work is done: skip the wait.
   void dismiss() noexcept { armed_ = false; }
 
+  /// The stream it waits for.
   [[nodiscard]] stream_view stream() const noexcept { return stream_; }
 
  private:
@@ -77,6 +79,7 @@ class synchronize_device_on_exit {
  public:
   /// The current device.
   synchronize_device_on_exit() : device_(current_device()) {}
+  /// Waits for `device` when the scope ends; throws std::out_of_range for an invalid id.
   explicit synchronize_device_on_exit(int device) : device_(device) { validate_device(device); }
 
   ~synchronize_device_on_exit() {
@@ -99,6 +102,7 @@ class synchronize_device_on_exit {
   /// The caller has made sure the work is done: skip the wait.
   void dismiss() noexcept { armed_ = false; }
 
+  /// The device it waits for.
   [[nodiscard]] int device() const noexcept { return device_; }
 
  private:

@@ -63,6 +63,7 @@
 
 namespace cudamem {
 
+/// An allocator of `T` for thrust containers, over a cudamem resource and a stream.
 template <class T>
 class thrust_allocator {
   static_assert(std::is_trivially_copyable_v<T>,
@@ -70,21 +71,26 @@ class thrust_allocator {
                 "container and no constructor runs in device code");
 
  public:
-  using value_type = T;
-  using pointer = thrust::device_ptr<T>;
-  using const_pointer = thrust::device_ptr<const T>;
-  using size_type = std::size_t;
-  using difference_type = std::ptrdiff_t;
+  using value_type = T;                               ///< the element type
+  using pointer = thrust::device_ptr<T>;              ///< device memory, as thrust marks it
+  using const_pointer = thrust::device_ptr<const T>;  ///< read-only device memory
+  using size_type = std::size_t;                      ///< counts of elements
+  using difference_type = std::ptrdiff_t;             ///< pointer differences
   /// The container's own work (fill, copy, resize) runs under this policy: see the contract.
   using system_type = exec_policy;
+  /// A copied-to container keeps its allocator.
   using propagate_on_container_copy_assignment = std::false_type;
+  /// A moved-to container takes the other's allocator.
   using propagate_on_container_move_assignment = std::true_type;
+  /// Swapped containers swap allocators.
   using propagate_on_container_swap = std::true_type;
+  /// Equal only with the same resource and stream.
   using is_always_equal = std::false_type;
 
+  /// The same allocator for elements of type `U`.
   template <class U>
   struct rebind {
-    using other = thrust_allocator<U>;
+    using other = thrust_allocator<U>;  ///< the rebound allocator
   };
 
   /// The alignment every allocation asks for: enough for T, and at least what cudaMalloc gives.
@@ -94,6 +100,7 @@ class thrust_allocator {
   explicit thrust_allocator(std::source_location where = std::source_location::current())
       : thrust_allocator(get_current_resource(), stream_view{}, where) {}
 
+  /// From `mr` (device-accessible, else std::invalid_argument), in stream order on `stream`.
   thrust_allocator(memory_resource& mr, stream_view stream,
                    std::source_location where = std::source_location::current())
       : policy_(detail::require_device_accessible(mr, "thrust_allocator"), stream, where) {}
@@ -114,6 +121,7 @@ class thrust_allocator {
     resource().deallocate(p.get(), n * sizeof(T), alignment, stream());
   }
 
+  /// The most elements whose bytes size_t can count.
   [[nodiscard]] static constexpr size_type max_size() noexcept {
     return std::numeric_limits<std::size_t>::max() / sizeof(T);
   }
@@ -122,10 +130,14 @@ class thrust_allocator {
   /// thrust's allocator_system looks for exactly `system_type& system()`.
   [[nodiscard]] exec_policy& system() noexcept { return policy_; }
 
+  /// The resource it allocates from.
   [[nodiscard]] memory_resource& resource() const noexcept { return policy_.resource(); }
+  /// The stream its allocations are ordered on.
   [[nodiscard]] stream_view stream() const noexcept { return policy_.stream(); }
+  /// The line that made it, passed to the resource as every allocation's call site.
   [[nodiscard]] const std::source_location& site() const noexcept { return policy_.site(); }
 
+  /// Whether each can free what the other allocated: equal resources and the same stream.
   template <class U>
   friend bool operator==(const thrust_allocator& a, const thrust_allocator<U>& b) noexcept {
     return a.resource().is_equal(b.resource()) && a.stream() == b.stream();

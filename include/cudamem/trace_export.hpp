@@ -46,6 +46,7 @@
 
 namespace cudamem {
 
+/// A Chrome trace being built: memory over time per track, and out-of-memory markers.
 class chrome_trace {
  public:
   /// One point of a track's counter: bytes in use (and reserved, if known) at `t_ns`.
@@ -109,8 +110,10 @@ class chrome_trace {
     return json + "]}\n";
   }
 
+  /// Writes to_json() to `out`.
   void write(std::ostream& out) const { out << to_json(); }
 
+  /// Writes to_json() to the file `path` (replaced); throws std::runtime_error if it cannot.
   void write_file(const std::string& path) const {
     std::ofstream out{path, std::ios::out | std::ios::trunc};
     out << to_json();

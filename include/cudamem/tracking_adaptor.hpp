@@ -109,6 +109,7 @@
 
 namespace cudamem {
 
+/// Forwards to its upstream and remembers every live allocation and where it was made.
 class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
  public:
   /// How many recent frees are remembered, in all, to tell a double free from a stray
@@ -116,6 +117,7 @@ class tracking_adaptor final : public detail::adaptor_base<tracking_adaptor> {
   static constexpr std::size_t remembered_frees =
       detail::allocation_shard::remembered_frees * detail::allocation_table::shard_count;
 
+  /// Tracks what passes to `upstream` (referred to, not owned).
   explicit tracking_adaptor(memory_resource& upstream, tracking_options options = {})
       : adaptor_base(upstream), timestamps_(options.timestamps), usage_(options.peak_slack) {}
 

@@ -97,8 +97,8 @@ inline constexpr std::size_t max_vm_export_handles = 240;
 
 /// What the importer needs besides the fds. Trivially copyable: send it as the payload.
 struct vm_block_descriptor {
-  std::uint32_t version = 1;
-  std::uint32_t handle_count = 0;
+  std::uint32_t version = 1;       ///< the layout's version; importers refuse others
+  std::uint32_t handle_count = 0;  ///< physical handles under the block (fds sent)
   detail::device_uuid device{};  ///< where the physical memory lives
   std::uint64_t granularity = 0;  ///< the exporter's mapping granularity
   std::uint64_t bytes = 0;        ///< the block, as its caller asked for it
@@ -109,8 +109,8 @@ static_assert(std::is_trivially_copyable_v<vm_block_descriptor>);
 
 /// One block exported: an fd per handle (in order) and the descriptor.
 struct vm_block_export {
-  std::vector<unique_fd> fds;
-  vm_block_descriptor descriptor;
+  std::vector<unique_fd> fds;      ///< one per handle, in order, to send (fd_passing.hpp)
+  vm_block_descriptor descriptor;  ///< to send with them, as the payload
 
   /// The fd numbers, as send_fds takes them.
   [[nodiscard]] std::vector<int> fd_numbers() const {
@@ -167,6 +167,8 @@ struct imported_vm_options {
 /// Another process's vm block, mapped here; see the contract above.
 class imported_vm_block {
  public:
+  /// Maps the block the `fds` (taken) and `descriptor` describe; throws ipc_error for a descriptor
+  /// that does not match them, std::invalid_argument for a closed fd.
   imported_vm_block(std::vector<unique_fd> fds, const vm_block_descriptor& descriptor,
                     imported_vm_options options = {}) {
     const std::size_t total = validate(fds, descriptor);
@@ -246,6 +248,7 @@ class imported_vm_block {
   imported_vm_block(imported_vm_block&&) = delete;
   imported_vm_block& operator=(imported_vm_block&&) = delete;
 
+  /// The block, mapped in this process.
   [[nodiscard]] void* get() const noexcept { return ptr_; }
   /// The block's bytes, as the exporter's caller asked for them.
   [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }

@@ -243,7 +243,9 @@ class vm_pool_resource final : public memory_resource {
     }
   }
 
+  /// The pool_resource for blocks smaller than a handle.
   [[nodiscard]] pool_resource& pool() noexcept { return pool_; }
+  /// The vm_resource under the pool; blocks of a handle or more come from it (bulk ones aside).
   [[nodiscard]] vm_resource& upstream_vm() noexcept { return vm_; }
   /// The bulk blocks' vm_resource (bulk_handle_bytes), or nullptr when there is none.
   [[nodiscard]] vm_resource* bulk_vm() noexcept { return bulk_.get(); }

@@ -249,16 +249,16 @@ class vm_resource final : public memory_resource,
     const detail::lock_guard lock(mutex_);
     handles_.mapped_bytes.reset_peak();
   }
-
   /// What is mapped now: ranges of adjacent handles, (start, bytes) by address.
   [[nodiscard]] std::vector<std::pair<std::uintptr_t, std::size_t>> mapped_ranges() const {
     const detail::lock_guard lock(mutex_);
     return handles_.ranges();
   }
-
+  /// The device's mapping granularity: block sizes and addresses are multiples of it.
   [[nodiscard]] std::size_t granularity() const noexcept { return config_.granule; }
   /// The size of every physical handle: handle_bytes rounded up to the granularity.
   [[nodiscard]] std::size_t handle_bytes() const noexcept { return config_.handle; }
+  /// The options it was made with.
   [[nodiscard]] const vm_resource_options& options() const noexcept { return options_; }
 
   /// The handles under the live block starting at `p`, for export (vm_ipc.hpp); see the

@@ -16,12 +16,12 @@ PyTorch, CuPy and Numba are imported only by their submodules, and needed only t
 import operator
 
 from ._errors import (ConfigError, CudamemError, NoDeviceError, OutOfMemoryError,
-                      StateError)
+                      StateError, TorchAllocatorError)
 
 __version__ = "0.1.0"
 
 __all__ = ["ConfigError", "CudamemError", "NoDeviceError", "OutOfMemoryError", "StateError",
-           "stats", "__version__"]
+           "TorchAllocatorError", "stats", "__version__"]
 
 
 def stats(device=None):

@@ -25,3 +25,9 @@ class NoDeviceError(CudamemError):
 class OutOfMemoryError(CudamemError, MemoryError):
     """An allocation cudamem could not meet; the message is cudamem's report: who holds the
     device, what each resource holds, a verdict and advice."""
+
+
+class TorchAllocatorError(CudamemError):
+    """cudamem.torch.install() cannot make cudamem PyTorch's whole allocator: an unsupported
+    PyTorch release, no C++ compiler, no CUDA runtime headers of PyTorch's CUDA version, or a
+    build that failed. The message says which, and what to do."""

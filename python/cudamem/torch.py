@@ -18,7 +18,9 @@ when PyTorch is importable there, else at the first install(), once per PyTorch 
 seconds, cached in $CUDAMEM_CACHE_DIR or ~/.cache/cudamem). Memory statistics, snapshots and
 memory history, cuDNN's benchmark mode, CUDA graphs and torch.compile(mode="reduce-overhead"),
 the memory fraction, copies between GPUs and tensors sent to other processes work as under
-PyTorch's own allocator. Options (sizes are ints of bytes or strings such as "4GiB"):
+PyTorch's own allocator, as each release 2.7 to 2.15 has them (what a release lacks, such as
+MemPool's use_on_oom before 2.8, cudamem lacks there too). Options (sizes are ints of bytes or
+strings such as "4GiB"):
     limit_bytes       a byte budget per device
     grow_ahead_bytes  vm_pool: most memory made ahead of need (0: none; default 4 GiB)
     handle_bytes      vm_pool: size of a physical handle (a multiple of 2 MiB; default 4 MiB)
@@ -26,6 +28,9 @@ PyTorch's own allocator. Options (sizes are ints of bytes or strings such as "4G
                       while its own free memory can serve a request (default 1 GiB)
     bulk_handle_bytes vm_pool: tensors of a whole multiple of this size get handles this big
                       (0: none; default 32 MiB), so that one made from freed memory is fast
+    interface         "full" (the default) or "pluggable": PyTorch's pluggable allocator
+                      interface instead, a subset (see the contract); CUDAMEM_TORCH_GLUE=0
+                      asks for it too
 Environment variables CUDAMEM_RESOURCE, CUDAMEM_LIMIT_BYTES, ... set the same, for programs
 you do not edit; install()'s arguments override them.
 
@@ -39,10 +44,21 @@ Contract
   on. torch.cuda.set_per_process_memory_fraction(f) is a limit on what tensors, MemPools and
   CUDA graph pools hold on that device (a request it refuses may still be served by a
   use_on_oom pool's free blocks), and its out-of-memory error says the fraction was the cause.
-- Without a C++ compiler (or with CUDAMEM_TORCH_GLUE=0) install() falls back to PyTorch's
-  pluggable-allocator interface and warns: then a failed allocation raises RuntimeError with
-  cudamem's report, and PyTorch's memory statistics, snapshots, CUDA graphs, the memory
-  fraction and IPC are not available (PyTorch raises "does not yet support").
+- When the full interface cannot be had, install() raises cudamem.TorchAllocatorError before
+  anything is allocated, in one sentence: a PyTorch older than 2.7 ("cudamem.torch supports
+  PyTorch 2.7 to 2.15, and this is PyTorch 2.6.0: install a supported release ..."), no C++
+  compiler, no CUDA runtime headers of PyTorch's CUDA version, or a failed build. Nothing falls
+  back silently: install(interface="pluggable") (or CUDAMEM_TORCH_GLUE=0) asks for PyTorch's
+  pluggable interface, and its warning names what is then missing: a failed allocation raises
+  RuntimeError with cudamem's report, and memory statistics, snapshots, CUDA graphs and
+  reduce-overhead, cuDNN's benchmark mode, the memory fraction and IPC are not available
+  (PyTorch raises "does not yet support"). A PyTorch newer than 2.15 is tried; if it does not
+  build, the error says it is newer than the supported releases.
+- PYTORCH_CUDA_ALLOC_CONF (and PYTORCH_ALLOC_CONF from 2.9): roundup_power2_divisions,
+  graph_capture_record_stream_reuse, per_process_memory_fraction and throw_on_cudamalloc_oom
+  are applied; pinned_* stay PyTorch's (its pinned host memory allocator is not replaced); each
+  other setting (expandable_segments, max_split_size_mb, garbage_collection_threshold,
+  backend, ...) gets a warning at install() naming it and what cudamem does instead.
 - Streams: PyTorch frees on the stream a tensor was allocated on; Tensor.record_stream(s)
   makes the free wait, without blocking any stream, until s's work queued before the free has
   finished. During a CUDA graph capture such a free waits for the capture's end, or, with
@@ -60,8 +76,8 @@ import warnings
 
 import torch
 
-from . import _native, _process, _torch_build
-from ._errors import CudamemError, StateError
+from . import _native, _process, _torch_build, _torch_settings
+from ._errors import StateError, TorchAllocatorError
 
 __all__ = ["install", "is_installed", "pool", "stats", "report", "last_oom_report",
            "release"]
@@ -71,47 +87,57 @@ _installed = False
 _pools = {}  # id(MemPool) -> (allocator id, the MemPool's allocator object)
 
 
-def install(resource="vm_pool", **options):
-    """Makes cudamem PyTorch's CUDA allocator (see the module's contract)."""
+def install(resource="vm_pool", interface=None, **options):
+    """Makes cudamem PyTorch's CUDA allocator (see the module's contract). interface: "full"
+    (default: PyTorch's whole allocator interface, compiled; TorchAllocatorError if it cannot
+    be had) or "pluggable" (PyTorch's pluggable subset, with a warning naming what it lacks)."""
     global _installed, _full
+    chosen = _torch_settings.chosen_interface(interface)  # TypeError/ValueError first
     with _lock:
         _process.claim("cudamem.torch.install()", resource, options)
         if _installed:
             return
-        allocator = _full_allocator()
-        if allocator is not None:
+        release = _torch_build.TorchInstall.from_module(torch).release
+        for sentence in _torch_settings.unapplied_settings(os.environ, release):
+            warnings.warn(sentence, RuntimeWarning, stacklevel=2)
+        if chosen == "full":
+            allocator = _full_allocator()
             _install_full(allocator)
             _full = allocator
         else:
+            reason = ("CUDAMEM_TORCH_GLUE=0" if interface is None else
+                      'install(interface="pluggable")')
+            warnings.warn(_torch_settings.pluggable_warning(reason), RuntimeWarning,
+                          stacklevel=2)
             _install_pluggable()
         _installed = True
 
 
 def _full_allocator():
-    """The compiled allocator (built now if need be), or None with a warning saying why."""
-    if os.environ.get("CUDAMEM_TORCH_GLUE", "1") == "0":
-        reason = "CUDAMEM_TORCH_GLUE=0"
-    else:
-        try:
-            path = _torch_build.find(torch) or _torch_build.build(torch, _torch_build.cache_dir())
-            _native.lib()  # libcudamem_c first, with its symbols global: the allocator uses them
-            glue = ctypes.CDLL(path)
-            glue.cudamem_torch_allocator_install.restype = ctypes.c_int
-            glue.cudamem_torch_allocator_install.argtypes = [
-                ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
-            glue.cudamem_torch_allocator_last_oom.restype = ctypes.c_size_t
-            glue.cudamem_torch_allocator_last_oom.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-            _keep.append(glue)
-            return glue
-        except (_torch_build.BuildError, OSError) as e:
-            reason = str(e)
-    warnings.warn(
-        "cudamem.torch: PyTorch's allocator interface is served in part only (%s): a failed "
-        "allocation raises RuntimeError with cudamem's report, and torch.cuda's memory "
-        "statistics, snapshots, CUDA graphs, the memory fraction and sending tensors to other "
-        "processes are not available. A C++ compiler and the CUDA Toolkit's headers give all "
-        "of them." % reason, RuntimeWarning, stacklevel=3)
-    return None
+    """The compiled allocator (built now if need be); TorchAllocatorError saying why not."""
+    try:
+        _torch_build.check_supported(torch)
+    except _torch_build.UnsupportedTorch:
+        raise TorchAllocatorError(_torch_settings.cannot_build_sentence(
+            torch.__version__, None, unsupported=True)) from None
+    try:
+        path = _torch_build.find(torch) or _torch_build.build(torch, _torch_build.cache_dir())
+    except _torch_build.BuildError as e:
+        raise TorchAllocatorError(_torch_settings.cannot_build_sentence(
+            torch.__version__, str(e))) from None
+    try:
+        _native.lib()  # libcudamem_c first, with its symbols global: the allocator uses them
+        glue = ctypes.CDLL(path)
+    except OSError as e:
+        raise TorchAllocatorError(_torch_settings.cannot_build_sentence(
+            torch.__version__, "its library %s does not load (%s)" % (path, e))) from None
+    glue.cudamem_torch_allocator_install.restype = ctypes.c_int
+    glue.cudamem_torch_allocator_install.argtypes = [
+        ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]
+    glue.cudamem_torch_allocator_last_oom.restype = ctypes.c_size_t
+    glue.cudamem_torch_allocator_last_oom.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+    _keep.append(glue)
+    return glue
 
 
 def _install_full(glue):

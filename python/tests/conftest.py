@@ -59,10 +59,30 @@ needs_numba_gpu = pytest.mark.skipif(
                                                         else "no CUDA device"))
 
 
+def _numpy_compat():
+    """The directory of numpy_compat/sitecustomize.py when numba-cuda needs it with this NumPy
+    (see that file), else None. Said once, on stderr, when it is used."""
+    if not HAS_NUMBA_CUDA:
+        return None
+    probe = "import numpy; print(hasattr(numpy, 'row_stack'))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    if done.stdout.strip() != "False":
+        return None
+    print("conftest: numba-cuda reads numpy.row_stack, which this NumPy removed: the tests' "
+          "child processes run with python/tests/numpy_compat on PYTHONPATH, which restores it",
+          file=sys.stderr)
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "numpy_compat")
+
+
+NUMPY_COMPAT = _numpy_compat()
+
+
 def start_python(code, env=None):
     """Starts `code` in a fresh interpreter with this package importable; finish_python waits."""
     child_env = dict(os.environ)
     child_env["PYTHONPATH"] = PACKAGE_ROOT + os.pathsep + child_env.get("PYTHONPATH", "")
+    if NUMPY_COMPAT:
+        child_env["PYTHONPATH"] = NUMPY_COMPAT + os.pathsep + child_env["PYTHONPATH"]
     child_env["PYTHONUNBUFFERED"] = "1"
     child_env.update(env or {})
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,

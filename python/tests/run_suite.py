@@ -1,8 +1,10 @@
 """What ctest runs for the Python package (registered in capi/tests/CMakeLists.txt):
 
     run_suite.py host  --library LIB   the ctypes layer over simulated devices (no GPU), the
-                                       build backend's checks, cudamem.numba's GPU-free tests
-                                       (bad input; the plugin over a simulated device)
+                                       build backend's checks, cudamem.torch.install()'s
+                                       choices and refusals over a stand-in torch, the
+                                       per-release check's parts, cudamem.numba's GPU-free
+                                       tests (bad input; the plugin over a simulated device)
     run_suite.py gpu   --library LIB   PyTorch, CuPy and Numba on the GPU; the examples and the
                                        README's snippet against the installed wheel
     run_suite.py wheel --work DIR      `pip wheel ./python` (and its one-sentence errors for a
@@ -71,6 +73,7 @@ def main():
         # (test_examples.py's programs need a GPU: the gpu suite runs them; here, only the check
         # that every example is covered.)
         return pytest(["test_native.py", "test_build_backend.py", "test_bench_placement.py",
+                       "test_torch_settings.py", "test_torch_releases.py",
                        "test_examples.py::test_every_example_is_covered", "test_numba_host.py"],
                       env)
     if args.suite == "gpu":
@@ -136,10 +139,15 @@ def check_missing_prerequisites(work, env):
 
 # What the PyTorch allocator is compiled from at the first install() (cudamem/_torch_build.py):
 # the only sources a wheel holds. No header of cudamem's C++ library or of GSL.
-TORCH_ALLOCATOR_SOURCES = {"cudamem/_torch/torch_allocator.cpp", "cudamem/_torch/capture_order.hpp",
-                           "cudamem/_torch/graph_pool.hpp",
-                           "cudamem/_torch/snapshot_layout.hpp", "cudamem/_torch/stats.hpp",
-                           "cudamem/_torch/trace_ring.hpp", "cudamem/include/cudamem_c.h"}
+TORCH_ALLOCATOR_SOURCES = {
+    "cudamem/_torch/torch_allocator.cpp", "cudamem/_torch/torch_interface.hpp",
+    "cudamem/_torch/chunk_sources.hpp", "cudamem/_torch/allocator_class.hpp",
+    "cudamem/_torch/allocator_malloc.hpp", "cudamem/_torch/allocator_frees.hpp",
+    "cudamem/_torch/allocator_stats.hpp", "cudamem/_torch/allocator_pools.hpp",
+    "cudamem/_torch/allocator_history.hpp", "cudamem/_torch/allocator_snapshot.hpp",
+    "cudamem/_torch/allocator_ipc.hpp", "cudamem/_torch/capture_order.hpp",
+    "cudamem/_torch/graph_pool.hpp", "cudamem/_torch/snapshot_layout.hpp",
+    "cudamem/_torch/stats.hpp", "cudamem/_torch/trace_ring.hpp", "cudamem/include/cudamem_c.h"}
 
 
 def check_wheel_contents(wheel):
@@ -176,6 +184,15 @@ def make_venv(venv):
     with open(os.path.join(purelib, "_cudamem_test_parent_env.pth"), "w") as pth:
         pth.write("".join("import site; site.addsitedir(%r)\n" % p for p in parents))
     return done
+
+
+def install_wheel(python, wheel, env):
+    """Installs `wheel` into the virtual environment of `python`, from the file, offline. Even
+    when the interpreter it sees (--system-site-packages) has cudamem installed, of the same
+    version: --ignore-installed puts the wheel under test in the environment, whose
+    site-packages come first on sys.path, instead of pip's "already installed"."""
+    return run([python, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed",
+                wheel], env=env)
 
 
 def bare_environment(venv, home):
@@ -229,8 +246,7 @@ def wheel_suite(work, env):
     home = os.path.join(work, "home")
     os.makedirs(home)
     bare = bare_environment(venv, home)
-    if run([python, "-m", "pip", "install", "--no-deps", "--no-index", built[0]],
-           env=bare).returncode != 0:
+    if install_wheel(python, built[0], bare).returncode != 0:
         return 1
     tools = [t for t in ("cc", "gcc", "g++", "c++", "nvcc", "cmake")
              if shutil.which(t, path=bare["PATH"])]

@@ -93,6 +93,52 @@ def test_without_the_compiled_allocator_a_failed_allocation_is_a_RuntimeError_at
     assert "RuntimeError True" in out
 
 
+def test_the_pluggable_interface_is_asked_for_by_an_argument_and_says_what_it_lacks():
+    out = run_python("""
+        import torch, warnings, cudamem.torch as ct
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ct.install(interface="pluggable")
+        said = [str(w.message) for w in caught if "served in part only" in str(w.message)]
+        print("warned", len(said), 'install(interface="pluggable")' in said[0],
+              "snapshots" in said[0], "the memory fraction" in said[0])
+        print("works", torch.ones(4, device="cuda").sum().item())
+        try:
+            torch.cuda.memory_stats()
+            print("stats served")
+        except RuntimeError as e:
+            print("stats refused", "does not yet support" in str(e))
+    """)
+    assert "warned 1 True True True" in out
+    assert "works 4.0" in out
+    assert "stats refused True" in out
+
+
+def test_a_request_past_the_fraction_is_an_oom_rejection_from_pytorch_2_12():
+    # cudamem refuses a request past the memory fraction before it allocates: from PyTorch 2.12
+    # that is counted as PyTorch counts its preemptive rejections (num_oom_rejections); 2.11
+    # has no such statistic.
+    out = run_python("""
+        import torch, cudamem.torch as ct
+        ct.install()
+        print("release", "%d.%d" % tuple(int(x) for x in torch.__version__.split(".")[:2]))
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(0.25)
+        try:
+            torch.empty(int(total * 0.4), dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError:
+            print("refused")
+        stats = torch.cuda.memory_stats()
+        print("ooms", stats["num_ooms"], "rejections", stats.get("num_oom_rejections"))
+    """)
+    release = tuple(int(x) for x in out.split("release ")[1].split()[0].split("."))
+    assert "refused" in out
+    if release >= (2, 12):
+        assert "ooms 1 rejections 1" in out
+    else:
+        assert "ooms 1 rejections None" in out
+
+
 def test_install_after_pytorch_allocated_raises_with_a_sentence():
     out = run_python("""
         import torch, cudamem, cudamem.torch as ct

@@ -1,6 +1,7 @@
 """Everyday PyTorch under cudamem.torch.install(): each program runs in a fresh interpreter
 twice in the same run, under PyTorch's own allocator and under cudamem, and must behave the
-same (issue 37). Skipped, never passed, without PyTorch and a GPU; two-GPU cases skip on one.
+same: what works under PyTorch's allocator must work under cudamem. Skipped, never passed,
+without PyTorch and a GPU; two-GPU cases skip on one.
 
 Each case is a program that prints `name value` lines; the assertions read them. The prologue
 installs cudamem when ALLOCATOR=cudamem, before anything touches CUDA.

@@ -226,7 +226,7 @@ TEST_CASE("cross-stream reuse: a freed block is not reused by another stream too
   CHECK_FALSE(cross_stream_reuse_is_safe(wrong));
 }
 
-TEST_CASE("seed 003, Example 1, with cudamem: an exception leaves device memory where it was",
+TEST_CASE("an exception between allocation and free leaves device memory where it was",
           "[free-memory]") {
   { device_buffer<float> warm_up(1 << 20); }  // context and first-allocation overheads
   const std::size_t before = cudamem_test::free_device_memory();

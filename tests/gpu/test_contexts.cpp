@@ -1,7 +1,8 @@
 // Contexts on a real device: created and destroyed in a loop with an exception thrown at every
 // step, the device's free memory back at its baseline and the primary context's state as it
-// was; context_guard restoring the thread's context; and seed 003's leak measured — a context
-// created raw and skipped by an exception keeps its memory, cudamem::context gives it back.
+// was; context_guard restoring the thread's context; and the classic context leak measured: a
+// context created raw and skipped by an exception keeps its memory, cudamem::context gives it
+// back.
 #include <cudamem/context.hpp>
 #include <cudamem/primary_context.hpp>
 
@@ -187,7 +188,7 @@ TEST_CASE("create/destroy in a loop with an exception at every step leaves nothi
 }
 
 // Both flows leave memory for context destruction to free, on purpose ([expected-leak]).
-TEST_CASE("seed 003: a raw context skipped by an exception keeps its memory; context does not",
+TEST_CASE("a raw context skipped by an exception keeps its memory; context does not",
           "[expected-leak][free-memory]") {
   const detail::driver_api& cu = detail::driver();
   CUdevice device = 0;
@@ -206,7 +207,7 @@ TEST_CASE("seed 003: a raw context skipped by an exception keeps its memory; con
   CUcontext popped = nullptr;  // cuCtxCreate left it current: take it off the stack
   detail::check_driver(cu.ctx_pop_current(&popped), "cuCtxPopCurrent");
   const std::size_t after_raw = free_device_memory();
-  std::printf("seed 003, raw context: free %zu MiB before, %zu MiB after the exception "
+  std::printf("raw context: free %zu MiB before, %zu MiB after the exception "
               "(%zu MiB held)\n",
               baseline / MiB, after_raw / MiB, (baseline - after_raw) / MiB);
   CHECK(after_raw + work_bytes <= baseline + tolerance);  // the memory is still held...
@@ -221,7 +222,7 @@ TEST_CASE("seed 003: a raw context skipped by an exception keeps its memory; con
   } catch (const planned_failure&) {
   }
   const std::size_t after_owned = free_device_memory();
-  std::printf("seed 003, cudamem::context: free %zu MiB after the exception\n",
+  std::printf("cudamem::context: free %zu MiB after the exception\n",
               after_owned / MiB);
   CHECK(after_owned + tolerance >= after_raw);  // everything it took came back
 

@@ -30,7 +30,7 @@ __global__ void spin_for(long long cycles) {
   }
 }
 
-/// Seed 000's pattern: device-side `new`, which draws on the malloc heap.
+/// A common pattern: device-side `new`, which draws on the device malloc heap.
 __global__ void uses_new(int* ok) {
   int* p = new int[16];
   ok[threadIdx.x] = p != nullptr ? 1 : 0;

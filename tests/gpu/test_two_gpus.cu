@@ -600,7 +600,7 @@ TEST_CASE("ipc_pool: an importer on the other GPU gets access by itself; its ker
         CHECK(r.access_devices == (bit(c.memory) | bit(c.current) | bit(c.kernel)));
         CHECK(r.good_elements == n);  // it read the 7s with its own device current
         // On the memory's device: copy() from a stream of device 1 with device 0 current
-        // failed with cudaErrorInvalidValue on two H200s (noted in issue 38's closing note).
+        // failed with cudaErrorInvalidValue on two H200s: this checks that it no longer does.
         const device_guard on{c.memory};
         pinned_buffer<int> h(n);
         copy(h, x, s);

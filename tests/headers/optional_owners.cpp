@@ -7,7 +7,7 @@
 // Why. g++ 12 inlines an owner's destructor into std::optional's and, on paths where the
 // optional is empty, cannot always tie the owner's members to the optional's engaged flag: it
 // then warns that they "may be used uninitialized" (-Wmaybe-uninitialized). A Release build of
-// code holding std::optional<peer_access> failed that way (issue 30), and std::optional<stream>
+// code holding std::optional<peer_access> failed that way, and std::optional<stream>
 // under the GPU machine's newer g++ at -O2. The owners keep their release paths out of line
 // where that happens (peer_access::end, event::destroy, stream::destroy, device_scope's end,
 // detail::spare_nodes' destructor); this file is the check that they still compile clean.

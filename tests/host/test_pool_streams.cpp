@@ -1,4 +1,4 @@
-// pool_resource's stream order, on the host (issue 39): which free block a request on one
+// pool_resource's stream order, on the host: which free block a request on one
 // stream gets when blocks freed on other streams are about, and which CUDA calls that costs.
 // The pools here track streams over simulated memory with a model of the device's event calls
 // (detail::host_stream_events: an event completes only when the test says so), so each test

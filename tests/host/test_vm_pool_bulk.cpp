@@ -143,8 +143,8 @@ TEST_CASE("vm_pool bulk: whole multiples of the bulk handle are the bulk resourc
 }
 
 TEST_CASE("vm_pool bulk: 128 MiB in freed 64 MiB holes moves four bulk handles") {
-  // The GPU trace of issue 37: fill the device with 64 MiB blocks, free every other one, then
-  // ask for 128 MiB blocks. Every byte freed serves them, four handle moves each.
+  // bench/python/cold_holes.py's trace: fill the device with 64 MiB blocks, free every other
+  // one, then ask for 128 MiB blocks. Every byte freed serves them, four handle moves each.
   shared_device_pool s{GiB};
   std::vector<void*> blocks = s.fill(64 * MiB);
   REQUIRE(blocks.size() == 16);

@@ -63,7 +63,7 @@
 // call them: a tool attaches through the environment variable NVTX_INJECTION64_PATH (that is
 // how compute-sanitizer and Nsight do it), which a resource reads once, when it is built, into
 // a constant flag; with no tool the hot path pays one predictable branch on it.
-// bench/nvtx_cost.sh measures it (README: "Debugging with compute-sanitizer").
+// bench/nvtx_cost.sh measures it (docs/debugging.md).
 //
 // The switch. Define CUDAMEM_NVTX=0 (before any cudamem header, or -DCUDAMEM_NVTX=0) and no
 // NVTX header is included, every function here is an empty inline, and `nvtx_compiled` is

@@ -33,12 +33,12 @@ namespace cudamem {
 
 /// One allocation, as the tracking adaptor saw it made.
 struct allocation_record {
-  void* pointer = nullptr;
-  std::size_t bytes = 0;
-  std::size_t alignment = 0;
+  void* pointer = nullptr;             ///< what allocate returned
+  std::size_t bytes = 0;               ///< bytes asked for
+  std::size_t alignment = 0;           ///< alignment asked for
   std::optional<cudaStream_t> stream;  ///< empty: the synchronous form
   std::source_location site;           ///< where the user asked for it
-  std::thread::id thread;
+  std::thread::id thread;                        ///< the thread that asked
   std::optional<std::chrono::nanoseconds> time;  ///< since the adaptor was made, when it
                                                  ///< records timestamps
   std::uint64_t sequence = 0;  ///< 0, 1, 2... in the order this thread made its allocations
@@ -81,8 +81,9 @@ struct allocation_record {
 struct leak_report {
   std::string resource;                     ///< the adaptor's name
   std::vector<allocation_record> leaks;     ///< oldest first
-  std::size_t total_bytes = 0;
+  std::size_t total_bytes = 0;              ///< the leaks' bytes together
 
+  /// Whether nothing is live.
   [[nodiscard]] bool empty() const noexcept { return leaks.empty(); }
 
   /// A header line, then one line per live allocation.

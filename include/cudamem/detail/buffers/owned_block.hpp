@@ -33,17 +33,18 @@ namespace cudamem {
 /// What a buffer's `release()` hands back: everything needed to free the memory later,
 /// exactly as the buffer would have (`resource->deallocate(ptr, bytes, alignment, stream)`).
 struct released_memory {
-  void* ptr = nullptr;
-  std::size_t bytes = 0;
-  std::size_t alignment = 0;
-  stream_view stream;
-  memory_resource* resource = nullptr;
+  void* ptr = nullptr;                  ///< the memory (nullptr: there was none)
+  std::size_t bytes = 0;                ///< its size, as allocated
+  std::size_t alignment = 0;            ///< the alignment it was allocated with
+  stream_view stream;                   ///< the stream to free it on
+  memory_resource* resource = nullptr;  ///< the resource to free it with
 };
 
 /// Tag for device_buffer and pinned_buffer: construct filled with zero bytes.
 struct zero_fill_t {
   explicit zero_fill_t() = default;
 };
+/// The tag value: `device_buffer<float> z(n, cudamem::zero_fill, s)`.
 inline constexpr zero_fill_t zero_fill{};
 
 namespace detail {

@@ -35,20 +35,20 @@ namespace cudamem {
 /// beat 4 MiB by 4-50% and 16 MiB by 7-22% at 4-8 threads; 4 chunks (32 MiB pinned per device)
 /// keep two or three DMAs queued behind the host's memcpy.
 struct copy_stager_options {
-  std::size_t chunk_bytes = std::size_t{8} << 20;  // one stage's pinned chunk
-  unsigned chunk_count = 4;                         // chunks held at most (pipeline depth)
-  unsigned threads = default_copy_threads();        // host threads per memcpy, caller included
+  std::size_t chunk_bytes = std::size_t{8} << 20;  ///< one stage's pinned chunk
+  unsigned chunk_count = 4;                         ///< chunks held at most (pipeline depth)
+  unsigned threads = default_copy_threads();        ///< host threads per memcpy, caller included
 };
 
 /// What a stager holds and does now.
 struct copy_stager_stats {
-  std::size_t chunks_allocated = 0;     // pinned chunks held (in use or idle)
-  std::size_t pinned_bytes = 0;         // their bytes
-  std::size_t chunks_in_use = 0;        // held by copies running now
-  std::size_t copies_in_progress = 0;   // staged copies running now
-  std::size_t memcpy_pieces_in_flight = 0;  // host memcpy pieces queued or being copied
-  unsigned worker_threads = 0;          // worker threads alive
-  std::uint64_t staged_copies = 0;      // copies done since construction (any outcome)
+  std::size_t chunks_allocated = 0;     ///< pinned chunks held (in use or idle)
+  std::size_t pinned_bytes = 0;         ///< their bytes
+  std::size_t chunks_in_use = 0;        ///< held by copies running now
+  std::size_t copies_in_progress = 0;   ///< staged copies running now
+  std::size_t memcpy_pieces_in_flight = 0;  ///< host memcpy pieces queued or being copied
+  unsigned worker_threads = 0;          ///< worker threads alive
+  std::uint64_t staged_copies = 0;      ///< copies done since construction (any outcome)
 };
 
 namespace detail {

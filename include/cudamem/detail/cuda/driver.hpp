@@ -287,10 +287,12 @@ inline std::string describe_driver_result(CUresult result, std::string_view cont
 /// contract); `result()` and `result_name()` are the driver's own.
 class driver_error : public cuda_error {
  public:
+  /// An error for the driver's `result`; `context` says what was being done.
   driver_error(CUresult result, std::string_view context,
                std::source_location where = std::source_location::current())
       : driver_error(result, detail::describe_driver_result(result, context), where) {}
 
+  /// The driver's result code.
   [[nodiscard]] CUresult result() const noexcept { return result_; }
   /// The driver's name for the result, e.g. "CUDA_ERROR_OUT_OF_MEMORY".
   [[nodiscard]] const std::string& result_name() const noexcept { return result_name_; }

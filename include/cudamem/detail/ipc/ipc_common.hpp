@@ -38,6 +38,7 @@ namespace cudamem {
 /// match its handles. A `std::invalid_argument`: the input is wrong, not the system.
 class ipc_error : public std::invalid_argument {
  public:
+  /// `what` is wrong with the input (what() starts with "cudamem: ").
   explicit ipc_error(const std::string& what) : std::invalid_argument("cudamem: " + what) {}
 };
 

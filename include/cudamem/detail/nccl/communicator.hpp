@@ -38,8 +38,10 @@ class nccl_communicator {
   explicit nccl_communicator(ncclComm_t comm) noexcept : comm_(comm) {}
   ~nccl_communicator() { reset(); }
 
+  /// Takes `other`'s communicator; `other` is left empty.
   nccl_communicator(nccl_communicator&& other) noexcept
       : comm_(std::exchange(other.comm_, nullptr)) {}
+  /// Destroys the communicator held, then takes `other`'s.
   nccl_communicator& operator=(nccl_communicator&& other) noexcept {
     if (this != &other) {
       reset();
@@ -85,13 +87,16 @@ class nccl_communicator {
     return owners;
   }
 
+  /// The communicator, for NCCL calls; null when empty.
   [[nodiscard]] ncclComm_t get() const noexcept { return comm_; }
+  /// Whether it holds a communicator.
   explicit operator bool() const noexcept { return comm_ != nullptr; }
 
   /// The communicator's CUDA device (ncclCommCuDevice).
   [[nodiscard]] int device() const { return query(&ncclCommCuDevice, "ncclCommCuDevice"); }
   /// Its rank (ncclCommUserRank) and the number of ranks (ncclCommCount).
   [[nodiscard]] int rank() const { return query(&ncclCommUserRank, "ncclCommUserRank"); }
+  /// The number of ranks (ncclCommCount).
   [[nodiscard]] int size() const { return query(&ncclCommCount, "ncclCommCount"); }
 
   /// Destroys the communicator now (ncclCommDestroy); a failure goes to the error handler.

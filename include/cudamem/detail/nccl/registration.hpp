@@ -75,7 +75,9 @@ class nccl_registration {
 
   ~nccl_registration() { reset(); }
 
+  /// Takes `other`'s registration; `other` is left empty.
   nccl_registration(nccl_registration&& other) noexcept { take(other); }
+  /// Deregisters what it holds, then takes `other`'s registration.
   nccl_registration& operator=(nccl_registration&& other) noexcept {
     if (this != &other) {
       reset();
@@ -117,8 +119,11 @@ class nccl_registration {
 
   /// Whether a range is registered.
   explicit operator bool() const noexcept { return comm_ != nullptr; }
+  /// The communicator the range is registered with; null when empty.
   [[nodiscard]] ncclComm_t communicator() const noexcept { return comm_; }
+  /// The start of the registered range.
   [[nodiscard]] void* address() const noexcept { return address_; }
+  /// The registered range's size in bytes.
   [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
   /// NCCL's handle (what ncclCommDeregister takes); null also when NCCL registered nothing.
   [[nodiscard]] void* handle() const noexcept { return handle_; }

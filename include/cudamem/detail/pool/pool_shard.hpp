@@ -29,7 +29,7 @@
 // - its stream ledger (detail/pool/stream_ledger.hpp).
 // Chunks, and which shard each belongs to, are the chunk set's (detail/pool/chunk_set.hpp).
 //
-// Which free block a request gets, when streams are tracked (issue 39). The cache's pick (the
+// Which free block a request gets, when streams are tracked. The cache's pick (the
 // top of a size class's stack: the block freed last) and the heap's (TLSF's good fit) do not
 // look at streams. In a program that runs stream-steps on several streams in turn, the block
 // freed last was nearly always freed by the stream that ran just before, so every request

@@ -177,7 +177,7 @@ class scoped_pool_stream_events {
 };
 
 /// Benchmarks: how pools built from now on choose blocks across streams (both on by default,
-/// as pool_resource's contract says). Off, a pool behaves as it did before issue 39 — the
+/// as pool_resource's contract says). Off, a pool chooses blocks naively — the
 /// first pick whatever it waits for; a query and a wait for every block that crosses streams —
 /// so that bench_workload can measure both in one run. Not for programs.
 struct pool_stream_choices {

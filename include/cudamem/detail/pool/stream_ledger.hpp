@@ -26,7 +26,7 @@
 // on a thread's own stream record their event at once: no other thread can name that stream,
 // so no one could record it later.
 //
-// Waits are made once (issue 39). A stream-step of a multi-stream program takes dozens of
+// Waits are made once. A stream-step of a multi-stream program takes dozens of
 // blocks another stream freed, all covered by one recording of that stream's event. Each used
 // to cost a cudaEventQuery and a cudaStreamWaitEvent: two driver calls per block, on the host
 // thread that also launches the kernels. Now each record remembers, for the last few streams
@@ -179,7 +179,7 @@ class stream_ledger {
  public:
   /// `device`: the pool's (a default stream's device).
   /// `remember_waits` false: every block that crosses streams is checked with the driver (the
-  /// pool before issue 39, for benchmarks: detail::scoped_pool_stream_choices).
+  /// naive choice, for benchmarks: detail::scoped_pool_stream_choices).
   explicit stream_ledger(stream_event_driver& driver = cuda_stream_events(), int device = -1,
                          bool remember_waits = true) noexcept
       : driver_(&driver), device_(device), remember_waits_(remember_waits) {}

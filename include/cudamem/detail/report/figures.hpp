@@ -27,8 +27,16 @@ namespace cudamem {
 
 /// Why a request failed: memory_report.hpp's contract says what each means;
 /// detail/report/verdict.hpp decides it.
-enum class oom_verdict { unknown, budget, larger_than_device, fragmentation, held_by_others, exhausted };
+enum class oom_verdict {
+  unknown,             ///< not enough information (e.g. no device to ask)
+  budget,              ///< a limiting resource's budget would be exceeded
+  larger_than_device,  ///< the request is larger than the device's total memory
+  fragmentation,       ///< enough is free, but not in one piece
+  held_by_others,      ///< memory the chain does not hold is more than what it holds
+  exhausted,           ///< the chain itself holds the memory
+};
 
+/// The verdict's name, as reports print it: "budget", "fragmentation", ...
 [[nodiscard]] constexpr std::string_view to_string(oom_verdict verdict) noexcept {
   switch (verdict) {
     case oom_verdict::budget: return "budget";
@@ -61,15 +69,15 @@ enum class oom_verdict { unknown, budget, larger_than_device, fragmentation, hel
 
 /// One resource of the chain, as it was when the report was made.
 struct resource_snapshot {
-  std::string name;
-  memory_kind kind = memory_kind::device;
-  int device = -1;
-  resource_stats stats;
+  std::string name;                        ///< the resource's name()
+  memory_kind kind = memory_kind::device;  ///< its kind()
+  int device = -1;                         ///< its device()
+  resource_stats stats;                    ///< its stats()
 };
 
 /// A process that holds device memory, as NVML reports it.
 struct process_holding {
-  unsigned int pid = 0;
+  unsigned int pid = 0;              ///< the process id
   std::string name;                  ///< empty when it could not be found out
   std::optional<std::size_t> bytes;  ///< empty when NVML does not say (e.g. Windows' WDDM)
 };
@@ -78,7 +86,7 @@ struct process_holding {
 struct device_holders {
   bool listed = false;   ///< NVML listed the processes and this one among them
   std::string reason;    ///< when not listed: why, in one plain sentence
-  unsigned int this_pid = 0;
+  unsigned int this_pid = 0;                ///< this process's id
   std::optional<std::size_t> this_process;  ///< what NVML says this process holds
   std::vector<process_holding> others;      ///< the other processes, largest first (when not
                                             ///< listed but hidden: their ids, no names)
@@ -101,7 +109,9 @@ struct context_reservations {
   std::size_t heap_bytes = 0;        ///< cudaLimitMallocHeapSize
   std::size_t printf_bytes = 0;      ///< cudaLimitPrintfFifoSize
 
+  /// Stack for every thread the device runs at once: stack_per_thread * threads.
   [[nodiscard]] std::size_t stack_bytes() const noexcept { return stack_per_thread * threads; }
+  /// All of it: stack, heap and printf FIFO.
   [[nodiscard]] std::size_t total() const noexcept {
     return stack_bytes() + heap_bytes + printf_bytes;
   }
@@ -109,13 +119,13 @@ struct context_reservations {
 
 /// A diagnosis of a (failed) request; see memory_report.hpp's contract.
 struct memory_report {
-  std::size_t requested_bytes = 0;
-  std::size_t alignment = 0;
+  std::size_t requested_bytes = 0;            ///< bytes of the request that failed
+  std::size_t alignment = 0;                  ///< its alignment
   int device = -1;                            ///< -1: host memory, or a simulated device
   std::optional<std::size_t> device_free;     ///< bytes free on the device now
   std::optional<std::size_t> device_total;    ///< the device's total memory
   std::vector<resource_snapshot> chain;       ///< the resource asked first, then its upstreams
-  oom_verdict verdict = oom_verdict::unknown;
+  oom_verdict verdict = oom_verdict::unknown;  ///< why it failed (see the contract)
   std::string cause;                          ///< what the failing resource said
   std::size_t origin = 0;                     ///< chain[origin] failed first (0: the top)
   std::optional<device_holders> holders;      ///< who holds the device (real devices only)

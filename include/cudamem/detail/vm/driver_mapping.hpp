@@ -31,7 +31,7 @@
 //   context, so a record owed on it can always be made later, while a stream of the user's
 //   might be gone by then. It is the stream a PyTorch or CuPy program uses unless it asks for
 //   another, and there frees come hundreds of times per training step: an eager record cost
-//   ~1 µs of the host thread that launches the kernels, each time (issue 37; 0.3 ms a step).
+//   ~1 µs of the host thread that launches the kernels, each time (0.3 ms a training step).
 //   Records owed are made before a stream is captured into a graph
 //   (cudamem::prepare_for_graph_capture, which cudamem's PyTorch allocator calls): no event
 //   can be recorded on the legacy stream while another is captured.
@@ -65,6 +65,7 @@ namespace cudamem {
 /// and WSL set-ups). Use pool_resource over device memory there instead.
 class vm_not_supported_error : public cuda_error {
  public:
+  /// `device` has no VMM; what() says to use pool_resource over device_resource there.
   explicit vm_not_supported_error(int device,
                                   std::source_location where = std::source_location::current())
       : cuda_error(cudaErrorNotSupported,
@@ -74,6 +75,7 @@ class vm_not_supported_error : public cuda_error {
                        "pool_resource over device_resource instead",
                    where),
         device_(device) {}
+  /// The device without VMM support.
   [[nodiscard]] int device() const noexcept { return device_; }
 
  private:

@@ -15,7 +15,7 @@
 //   (vm_resource::allocate_marked), and nothing else does. A free asks the bulk resource or
 //   the other one to free a block with that mark. Why: a training step frees ~300 large blocks,
 //   and when the framework's work between two calls has evicted the allocator's records, each
-//   record a free touches is a cache miss or two (issue 37; bench_capi_replay_cost
+//   record a free touches is a cache miss or two (PyTorch's training loop; bench_capi_replay_cost
 //   --touch-kib measures it). A second record here was ~25 of the ~170 misses of an
 //   allocation and a free of a large block (valgrind's cache simulation of a recorded step).
 // - Recorded, when an adaptor (options.upstream_adaptor) or cudaMalloc (under

@@ -162,9 +162,9 @@ struct vm_resource_stats {
   std::size_t requested_bytes = 0;         ///< what the callers of those ranges asked for
   std::size_t partial_granule_bytes = 0;   ///< used - requested: waste from partly used
                                            ///< granules (and handles, for whole-handle ranges)
-  std::size_t peak_used_bytes = 0;
+  std::size_t peak_used_bytes = 0;         ///< the most used_bytes has been
   std::size_t free_bytes = 0;              ///< mapped, not handed out
-  std::size_t largest_free_range = 0;
+  std::size_t largest_free_range = 0;      ///< the largest free range, in bytes
   std::size_t recyclable_bytes = 0;        ///< free bytes in handles with nothing handed out
   std::size_t stranded_bytes = 0;          ///< free bytes in handles shared with live ranges
   std::size_t handles = 0;                 ///< physical handles held

@@ -59,7 +59,7 @@ struct vm_pool_stats : vm_resource_stats {
   std::size_t large_peak_bytes = 0;      ///< the most large_used_bytes has been
   std::size_t pool_used_bytes = 0;       ///< blocks handed out by the pool
   std::size_t pool_free_bytes = 0;       ///< free in the pool's chunks
-  std::size_t pool_largest_free_block = 0;
+  std::size_t pool_largest_free_block = 0;  ///< the largest of those free blocks
   std::size_t pool_chunks = 0;           ///< chunks the pool holds from the upstream
 };
 
