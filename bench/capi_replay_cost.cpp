@@ -16,12 +16,22 @@
 //   --passes     passes over the log, the first untimed (default 5)
 //
 // Prints, per timed pass, ns per call for allocations and frees of a handle (4 MiB) or more
-// and below, and the compactions the pass made; then the medians over the timed passes. Only
-// the calls are timed, not the touching. All calls are on the legacy stream, as the log's
-// stream is (trace.py records one stream). The simulated layer keeps its own bookkeeping of
-// frees in flight (the driver's layer does not: it records lazily), so compare builds with
-// each other on this bench, not with a GPU. Exit status: 0, 1 for bad arguments or a log it
-// cannot read, 2 when an allocation fails.
+// and below, the compactions the pass made and the allocations served by recent frees
+// (cudamem_stats::recent_reuses); then the medians over the timed passes, how many calls of
+// each kind a pass makes, and the device memory held (the peak, and at the end). Only the
+// calls are timed, not the touching. All calls are on the legacy stream, as the log's stream
+// is (trace.py records one stream). The simulated layer keeps its own bookkeeping of frees in
+// flight (the driver's layer does not: it records lazily), so compare builds with each other
+// on this bench, not with a GPU. Exit status: 0, 1 for bad arguments or a log it cannot read,
+// 2 when an allocation fails.
+//
+// Instructions per call, repeatable where wall times are not (a loaded host): each kind of
+// timed call goes through a function of its own (never inlined nor merged), so callgrind's
+// inclusive cost of each over its calls is that kind's instructions per call:
+//   valgrind --tool=callgrind --callgrind-out-file=cg.out bench_capi_replay_cost LOG
+//   callgrind_annotate --inclusive=yes cg.out | grep timed_
+// The bench calls the library through its shared object, so one build of the bench measures
+// two builds of libcudamem_c (LD_LIBRARY_PATH picks one).
 #include <cudamem/log_format.hpp>
 
 #include <cudamem_c.h>
@@ -50,10 +60,26 @@ struct pass_cost {
   double ns[4] = {0, 0, 0, 0};  // large alloc, small alloc, large free, small free
   long calls[4] = {0, 0, 0, 0};
   std::uint64_t compactions = 0;
+  std::uint64_t recent_reuses = 0;
   [[nodiscard]] double per_call(int k) const { return calls[k] ? ns[k] / calls[k] : 0.0; }
 };
 
 using cudamem_bench::median;
+
+// The timed calls, one function per kind (see the top: instructions per call). noipa, not
+// only noinline: identical bodies would otherwise be folded into one function.
+[[gnu::noipa]] cudamem_status timed_large_alloc(int id, std::size_t bytes, void** p) {
+  return cudamem_allocate(id, bytes, 0, nullptr, p);
+}
+[[gnu::noipa]] cudamem_status timed_small_alloc(int id, std::size_t bytes, void** p) {
+  return cudamem_allocate(id, bytes, 0, nullptr, p);
+}
+[[gnu::noipa]] void timed_large_free(int id, void* p, std::size_t bytes) {
+  cudamem_deallocate(id, p, bytes, 0, nullptr);
+}
+[[gnu::noipa]] void timed_small_free(int id, void* p, std::size_t bytes) {
+  cudamem_deallocate(id, p, bytes, 0, nullptr);
+}
 
 int usage(const char* why) {
   std::fprintf(stderr,
@@ -63,10 +89,13 @@ int usage(const char* why) {
   return 1;
 }
 
-std::uint64_t compactions(int id) {
+cudamem_stats stats(int id) {
   cudamem_stats s{};
   s.struct_size = sizeof s;
-  return cudamem_get_stats(id, 0, &s) == CUDAMEM_OK ? s.compactions : 0;
+  if (cudamem_get_stats(id, 0, &s) != CUDAMEM_OK) {
+    s = cudamem_stats{};
+  }
+  return s;
 }
 
 }  // namespace
@@ -117,7 +146,7 @@ int main(int argc, char** argv) try {
   std::vector<pass_cost> costs;
   for (int pass = 0; pass < passes; ++pass) {
     pass_cost cost;
-    const std::uint64_t compactions_before = compactions(id);
+    const cudamem_stats before = stats(id);
     std::unordered_map<std::uint64_t, std::pair<void*, std::size_t>> live;  // log ptr -> ours
     for (const cudamem::log_event& e : events) {
       if (e.kind == cudamem::log_event_kind::out_of_memory) {
@@ -134,17 +163,25 @@ int main(int argc, char** argv) try {
         const std::size_t bytes = it->second.second;
         live.erase(it);
         touch();
-        const auto start = clock_type::now();
-        cudamem_deallocate(id, p, bytes, 0, nullptr);
         const int k = is_large ? 2 : 3;
+        const auto start = clock_type::now();
+        if (pass == 0) {
+          cudamem_deallocate(id, p, bytes, 0, nullptr);  // untimed: not counted as a kind
+        } else if (is_large) {
+          timed_large_free(id, p, bytes);
+        } else {
+          timed_small_free(id, p, bytes);
+        }
         cost.ns[k] += std::chrono::duration<double, std::nano>(clock_type::now() - start).count();
         ++cost.calls[k];
         continue;
       }
       touch();
-      const auto start = clock_type::now();
-      const cudamem_status s = cudamem_allocate(id, e.bytes, 0, nullptr, &p);
       const int k = is_large ? 0 : 1;
+      const auto start = clock_type::now();
+      const cudamem_status s = pass == 0 ? cudamem_allocate(id, e.bytes, 0, nullptr, &p)
+                               : is_large ? timed_large_alloc(id, e.bytes, &p)
+                                          : timed_small_alloc(id, e.bytes, &p);
       cost.ns[k] += std::chrono::duration<double, std::nano>(clock_type::now() - start).count();
       ++cost.calls[k];
       if (s != CUDAMEM_OK) {
@@ -157,13 +194,16 @@ int main(int argc, char** argv) try {
     for (const auto& [pointer, block] : live) {  // what the log left live: freed, untimed
       cudamem_deallocate(id, block.first, block.second, 0, nullptr);
     }
-    cost.compactions = compactions(id) - compactions_before;
+    const cudamem_stats after = stats(id);
+    cost.compactions = after.compactions - before.compactions;
+    cost.recent_reuses = after.recent_reuses - before.recent_reuses;
     if (pass > 0) {
       costs.push_back(cost);
       std::printf("pass %d: ns per call: 4 MiB+ alloc %.0f, below alloc %.0f, 4 MiB+ free %.0f, "
-                  "below free %.0f; %llu compactions\n",
+                  "below free %.0f; %llu compactions, %llu reused recent frees\n",
                   pass, cost.per_call(0), cost.per_call(1), cost.per_call(2), cost.per_call(3),
-                  static_cast<unsigned long long>(cost.compactions));
+                  static_cast<unsigned long long>(cost.compactions),
+                  static_cast<unsigned long long>(cost.recent_reuses));
     }
   }
   double m[4];
@@ -177,6 +217,14 @@ int main(int argc, char** argv) try {
   std::printf("median of %zu passes (%s, %zu KiB touched between calls): 4 MiB+ alloc %.0f ns, "
               "below alloc %.0f, 4 MiB+ free %.0f, below free %.0f\n",
               costs.size(), config.c_str(), touch_kib, m[0], m[1], m[2], m[3]);
+  const pass_cost& last = costs.back();
+  std::printf("calls per timed pass: 4 MiB+ alloc %ld, below alloc %ld, 4 MiB+ free %ld, "
+              "below free %ld\n",
+              last.calls[0], last.calls[1], last.calls[2], last.calls[3]);
+  const cudamem_stats end = stats(id);
+  std::printf("device: peak reserved %.0f MiB, reserved at the end %.0f MiB\n",
+              static_cast<double>(end.peak_reserved_bytes) / (1 << 20),
+              static_cast<double>(end.reserved_bytes) / (1 << 20));
   cudamem_allocator_destroy(id);
   return 0;
 } catch (const std::exception& e) {

@@ -38,6 +38,10 @@
  *                       32 MiB where handle_bytes divides it: a 128 MiB tensor made from
  *                       freed memory moves 4 handles, not 32 (the driver's cuMemSetAccess
  *                       costs ~34 us per handle)
+ *   recent_frees        vm_pool: how many of the last blocks of a handle or more freed are kept
+ *                       aside for the next request of their size on their stream (0: none;
+ *                       at most 256; default 16): such a request skips the search of free
+ *                       memory (vm_resource.hpp: recent frees)
  *   simulate_bytes      tests: a pretend device of this size, no GPU touched (vm_pool, pool)
  *   raise_on_oom        torch entry points: 1 (default) throw at a failed allocation; 0 return
  *                       null (what torch.cuda.MemPool's caching allocator expects)
@@ -147,6 +151,10 @@ typedef struct cudamem_stats {
   uint64_t bulk_declined;         /* vm_pool with bulk_handle_bytes: blocks of a whole multiple
                                      of it that the bulk handles could not serve without growing
                                      into keep_free_bytes, asked of the other handles instead */
+  /* Added with recent frees (callers with an older struct_size do not get it): */
+  uint64_t recent_reuses;         /* vm_pool: allocations served by a block of their size freed
+                                     on their stream and kept aside (recent_frees), without a
+                                     search of free memory */
 } cudamem_stats;
 
 /* An address range held from the device: a vm_pool's mapped range, a pool's chunk. */

@@ -12,11 +12,12 @@
 //   the value, where it came from (the variable's name, or the caller's label) and what would
 //   be accepted. Nothing is applied from a text or an environment that has an error in it.
 // - Keys (see cudamem_c.h): resource, limit_bytes, grow_ahead_bytes, handle_bytes,
-//   keep_free_bytes, bulk_handle_bytes, simulate_bytes, raise_on_oom. A key that does not
-//   apply to the resource chosen (grow_ahead_bytes for `pool`) is an error, checked once all
-//   keys are in (validate()), so the order of keys and sources does not matter.
+//   keep_free_bytes, bulk_handle_bytes, recent_frees, simulate_bytes, raise_on_oom. A key that
+//   does not apply to the resource chosen (grow_ahead_bytes for `pool`) is an error, checked
+//   once all keys are in (validate()), so the order of keys and sources does not matter.
 // - Sizes: decimal digits, then optionally a unit K/KiB, M/MiB, G/GiB, T/TiB (powers of
-//   1024; case-insensitive; spaces allowed before the unit). Overflow is an error.
+//   1024; case-insensitive; spaces allowed before the unit). Overflow is an error. Counts
+//   (recent_frees): decimal digits only.
 #pragma once
 
 #include <cctype>
@@ -92,6 +93,7 @@ struct allocator_config {
   std::optional<std::size_t> handle_bytes;      ///< vm_pool only; unset: default_handle_bytes
   std::optional<std::size_t> keep_free_bytes;   ///< vm_pool only; unset: default_keep_free_bytes
   std::optional<std::size_t> bulk_handle_bytes; ///< vm_pool only; 0: none; unset: see below
+  std::optional<std::size_t> recent_frees;      ///< vm_pool only; unset: vm_resource's default
   std::optional<std::size_t> simulate_bytes;    ///< a pretend device (tests)
   bool raise_on_oom = true;                     ///< the torch entry points throw (else null)
 };
@@ -99,7 +101,11 @@ struct allocator_config {
 /// The keys, in the order describe() prints them.
 inline constexpr std::string_view config_keys[] = {
     "resource", "limit_bytes", "grow_ahead_bytes", "handle_bytes", "keep_free_bytes",
-    "bulk_handle_bytes", "simulate_bytes", "raise_on_oom"};
+    "bulk_handle_bytes", "recent_frees", "simulate_bytes", "raise_on_oom"};
+
+/// The most recent_frees accepts (vm_resource_options::recent_frees; kept here so that the
+/// parser needs no cudamem header; test_config checks that the two agree).
+inline constexpr std::size_t max_recent_frees = 256;
 
 /// Whether `bulk` can be the bulk handle size over handles of `handle` bytes: a multiple of
 /// it, larger than it (what vm_pool_options::bulk_handle_bytes accepts).
@@ -230,6 +236,15 @@ inline void set_key(allocator_config& c, std::string_view key, std::string_view 
       detail::refuse(key, value, source, "must be 0 (none) or a multiple of 2 MiB");
     }
     c.bulk_handle_bytes = bytes;
+  } else if (key == "recent_frees") {
+    const std::optional<std::size_t> count = parse_size(value);
+    if (!count || value.find_first_not_of("0123456789") != std::string_view::npos ||
+        *count > max_recent_frees) {
+      detail::refuse(key, value, source,
+                     "not a count from 0 to " + std::to_string(max_recent_frees) +
+                         " (blocks kept aside once freed; 0: none)");
+    }
+    c.recent_frees = *count;
   } else if (key == "simulate_bytes") {
     c.simulate_bytes = size_or_refuse(false);
   } else if (key == "raise_on_oom") {
@@ -274,6 +289,7 @@ inline void validate(const allocator_config& c, std::string_view source) {
   only_vm_pool("handle_bytes", c.handle_bytes);
   only_vm_pool("keep_free_bytes", c.keep_free_bytes);
   only_vm_pool("bulk_handle_bytes", c.bulk_handle_bytes);
+  only_vm_pool("recent_frees", c.recent_frees);
   const std::size_t handle = c.handle_bytes.value_or(default_handle_bytes);
   if (c.bulk_handle_bytes && *c.bulk_handle_bytes != 0 &&
       !bulk_fits(*c.bulk_handle_bytes, handle)) {
@@ -338,6 +354,7 @@ void apply_environment(allocator_config& c, Getenv&& getenv) {
     s += ", handle_bytes=" + size(c.handle_bytes);
     s += ", keep_free_bytes=" + size(c.keep_free_bytes);
     s += ", bulk_handle_bytes=" + size(c.bulk_handle_bytes);
+    s += ", recent_frees=" + size(c.recent_frees);
   }
   if (c.simulate_bytes) {
     s += ", simulate_bytes=" + std::to_string(*c.simulate_bytes);

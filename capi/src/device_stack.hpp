@@ -61,6 +61,7 @@ class device_stack {
         o.handle_bytes = config.handle_bytes.value_or(default_handle_bytes);
         o.keep_free_bytes = config.keep_free_bytes.value_or(default_keep_free_bytes);
         o.bulk_handle_bytes = bulk_handle_bytes(config);
+        o.recent_frees = config.recent_frees.value_or(o.recent_frees);
         if (config.simulate_bytes) {
           // The vm_pool's two vm_resources (bulk blocks) share one pretend device.
           upstream_ = std::make_unique<simulated_resource>(simulated_options{
@@ -196,6 +197,7 @@ class device_stack {
       s.compactions = v.compactions + b.compactions;
       s.kept_free_compactions = v.kept_free_compactions + b.kept_free_compactions;
       s.bulk_declined = v.bulk_declined;
+      s.recent_reuses = v.recent_reuses + b.recent_reuses;
       add_stream_stats(s, vm_pool_->pool().stream_stats());
     }
     s.limit_bytes = limit_ ? limit_->budget() : 0;

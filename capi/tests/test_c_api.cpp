@@ -348,6 +348,52 @@ TEST_CASE("c api: record_stream holds a free back until the other stream is done
   CHECK(stats_of(id).pending_frees == 0);
 }
 
+TEST_CASE("c api: a large block freed on a stream serves the next request of its size there") {
+  const cudamem_stream_t a = reinterpret_cast<cudamem_stream_t>(0x10);
+  const int id = make("simulate_bytes=4GiB, grow_ahead_bytes=0");
+  destroyer d{id};
+  void* big = nullptr;  // what the blocks kept aside are counted against (not bulk-sized)
+  REQUIRE(cudamem_allocate(id, 1500 * MiB, 0, a, &big) == CUDAMEM_OK);
+  void* p = nullptr;
+  REQUIRE(cudamem_allocate(id, 24 * MiB, 0, a, &p) == CUDAMEM_OK);
+  REQUIRE(cudamem_deallocate(id, p, 24 * MiB, 0, a) == CUDAMEM_OK);
+  void* q = nullptr;
+  REQUIRE(cudamem_allocate(id, 24 * MiB, 0, a, &q) == CUDAMEM_OK);
+  CHECK(q == p);
+  CHECK(stats_of(id).recent_reuses == 1);
+  // Freed after record_stream: given to the resource once the other stream is done (at once
+  // on a simulated device, at the next call), then kept aside for its own stream as any free.
+  REQUIRE(cudamem_record_stream(id, q, reinterpret_cast<cudamem_stream_t>(0x20)) == CUDAMEM_OK);
+  REQUIRE(cudamem_deallocate(id, q, 24 * MiB, 0, a) == CUDAMEM_OK);
+  void* r = nullptr;
+  REQUIRE(cudamem_allocate(id, 24 * MiB, 0, a, &r) == CUDAMEM_OK);
+  CHECK(r == p);
+  const cudamem_stats st = stats_of(id);
+  CHECK(st.recent_reuses == 2);
+  CHECK(st.pending_frees == 0);
+  CHECK(st.in_use_bytes == 1524 * MiB);
+  REQUIRE(cudamem_deallocate(id, r, 24 * MiB, 0, a) == CUDAMEM_OK);
+  REQUIRE(cudamem_deallocate(id, big, 1500 * MiB, 0, a) == CUDAMEM_OK);
+  CHECK(stats_of(id).in_use_bytes == 0);
+
+  // recent_frees=0: the same calls, none kept, none reused.
+  const int off = make("simulate_bytes=4GiB, grow_ahead_bytes=0, recent_frees=0");
+  destroyer d_off{off};
+  REQUIRE(cudamem_allocate(off, 1500 * MiB, 0, a, &big) == CUDAMEM_OK);
+  REQUIRE(cudamem_allocate(off, 24 * MiB, 0, a, &p) == CUDAMEM_OK);
+  REQUIRE(cudamem_deallocate(off, p, 24 * MiB, 0, a) == CUDAMEM_OK);
+  REQUIRE(cudamem_allocate(off, 24 * MiB, 0, a, &q) == CUDAMEM_OK);
+  CHECK(q == p);  // best fit finds it all the same
+  CHECK(stats_of(off).recent_reuses == 0);
+  REQUIRE(cudamem_deallocate(off, q, 24 * MiB, 0, a) == CUDAMEM_OK);
+  REQUIRE(cudamem_deallocate(off, big, 1500 * MiB, 0, a) == CUDAMEM_OK);
+  // A bad value is refused with the key named.
+  int bad = -1;
+  CHECK(cudamem_allocator_create("simulate_bytes=1GiB, recent_frees=1000", &bad) ==
+        CUDAMEM_ERROR_INVALID_ARGUMENT);
+  CHECK_THAT(last(), Catch::Contains("recent_frees=1000"));
+}
+
 TEST_CASE("c api: prepare_for_graph_capture takes no input, succeeds, and changes no stack") {
   // What it records is tested where streams are tracked: test_pool_streams (a model device)
   // and test_pool_device (a capture on the GPU). Here: a simulated stack, which owes nothing.

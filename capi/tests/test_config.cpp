@@ -1,6 +1,8 @@
 // The C API's configuration: sizes, keys, sources, and every way a value is refused.
 #include "config.hpp"
 
+#include <cudamem/detail/vm/options.hpp>  // max_recent_frees, which config.hpp copies
+
 #include <catch2/catch.hpp>
 
 #include <map>
@@ -59,14 +61,16 @@ TEST_CASE("capi config: defaults, text, and describe") {
   CHECK(c.raise_on_oom);
   CHECK(describe(c) ==
         "resource=vm_pool, limit_bytes=none, grow_ahead_bytes=default, handle_bytes=default, "
-        "keep_free_bytes=default, bulk_handle_bytes=default, raise_on_oom=1");
+        "keep_free_bytes=default, bulk_handle_bytes=default, recent_frees=default, "
+        "raise_on_oom=1");
   apply_config_text(c, " limit_bytes = 8GiB ,grow_ahead_bytes=0,, handle_bytes=32MiB ", "test");
   CHECK(c.limit_bytes == 8 * GiB);
   CHECK(c.grow_ahead_bytes == 0u);
   CHECK(c.handle_bytes == 32 * MiB);
   CHECK(describe(c) ==
         "resource=vm_pool, limit_bytes=8589934592, grow_ahead_bytes=0, handle_bytes=33554432, "
-        "keep_free_bytes=default, bulk_handle_bytes=default, raise_on_oom=1");
+        "keep_free_bytes=default, bulk_handle_bytes=default, recent_frees=default, "
+        "raise_on_oom=1");
   CHECK(bulk_handle_bytes(c) == 0u);  // 32 MiB handles: the default bulk size is no larger
   apply_config_text(c, "keep_free_bytes=1GiB", "test");
   CHECK(c.keep_free_bytes == GiB);
@@ -85,6 +89,18 @@ TEST_CASE("capi config: defaults, text, and describe") {
   apply_config_text(b, "bulk_handle_bytes=0", "test");
   CHECK(bulk_handle_bytes(b) == 0u);
   CHECK(describe(b).find("bulk_handle_bytes=0") != std::string::npos);
+
+  // Recent frees: a count, 0 (none) to the most vm_resource accepts.
+  allocator_config r;
+  CHECK_FALSE(r.recent_frees);
+  apply_config_text(r, "recent_frees=64", "test");
+  CHECK(r.recent_frees == 64u);
+  apply_config_text(r, "recent_frees = 0", "test");
+  CHECK(r.recent_frees == 0u);
+  apply_config_text(r, "recent_frees=256", "test");
+  CHECK(r.recent_frees == 256u);
+  CHECK(describe(r).find("recent_frees=256") != std::string::npos);
+  CHECK(max_recent_frees == cudamem::max_recent_frees);  // the parser's copy agrees
 
   allocator_config p;
   apply_config_text(p, "resource=Pool, raise_on_oom=off, simulate_bytes=1GiB", "test");
@@ -134,6 +150,16 @@ TEST_CASE("capi config: bad values are refused with the key, the value and the s
   CHECK_THAT(refusal([&] { apply_config_text(c, "resource=pool, bulk_handle_bytes=0", "x"); }),
              Catch::Contains("bulk_handle_bytes (set in x or by CUDAMEM_BULK_HANDLE_BYTES) "
                              "applies to resource=vm_pool only"));
+  for (const char* text : {"recent_frees=257", "recent_frees=16KiB", "recent_frees=-1",
+                           "recent_frees=many", "recent_frees=", "recent_frees=1e3"}) {
+    CAPTURE(text);
+    CHECK_THAT(refusal([&] { apply_config_text(c, text, "x"); }),
+               Catch::Contains("(from x): not a count from 0 to 256 (blocks kept aside once "
+                               "freed; 0: none)"));
+  }
+  CHECK_THAT(refusal([&] { apply_config_text(c, "resource=async, recent_frees=4", "x"); }),
+             Catch::Contains("recent_frees (set in x or by CUDAMEM_RECENT_FREES) applies to "
+                             "resource=vm_pool only, not resource=async"));
   CHECK_THAT(refusal([&] { apply_config_text(c, "keep_free_bytes=-1", "x"); }),
              Catch::Contains("keep_free_bytes=-1 (from x): not a size"));
   CHECK_THAT(refusal([&] { apply_config_text(c, "resource=async, simulate_bytes=1GiB", "x"); }),
@@ -166,4 +192,13 @@ TEST_CASE("capi config: environment variables, checked whole and named in the me
              }),
              Catch::Contains("applies to resource=vm_pool only"));
   CHECK_FALSE(d.limit_bytes);  // nothing applied
+
+  allocator_config e;
+  apply_environment(e, environment{{{"CUDAMEM_RECENT_FREES", "0"}}});
+  CHECK(e.recent_frees == 0u);
+  CHECK_THAT(refusal([&] {
+               apply_environment(e, environment{{{"CUDAMEM_RECENT_FREES", "300"}}});
+             }),
+             Catch::Contains("recent_frees=300 (from environment variable CUDAMEM_RECENT_FREES): "
+                             "not a count"));
 }

@@ -29,6 +29,7 @@
 //                                serve the next request that fits at no driver cost
 // - detail/vm/placement.hpp      which free range a block goes to (best fit), and where in it
 // - detail/vm/live_blocks.hpp    the blocks handed out; taking a fit, freeing, stream order
+// - detail/vm/recent_frees.hpp   the last blocks freed, kept aside for a request of their size
 // - detail/vm/compactor.hpp      when nothing fits: create handles while the device has room;
 //                                then recycle idle handles to the frontier (only what the
 //                                request lacks, smallest free runs first); giving memory back
@@ -107,6 +108,11 @@
 //   request that would leave the device less free than that recycles free handles first and
 //   creates only what they cannot give (into the reserve: it is not a limit); growth ahead
 //   stops there too. vm_stats().kept_free_compactions counts the compactions it chose.
+// - Recent frees (`recent_frees`, 16, at most 1/16 of what is mapped, while it can grow): the last
+//   blocks of whole handles freed are kept aside, free, for the next request of their size on
+//   their stream (or any, freed synchronously): no wait, by stream order. Whatever else uses free
+//   memory (a request no free range holds, before it grows, recycles or fails; release(), trim(),
+//   growth ahead, the statistics) puts them back among the free ranges first (live_blocks.hpp).
 #pragma once
 
 #include <cudamem/detail/held_ahead.hpp>
@@ -167,7 +173,7 @@ class vm_resource final : public memory_resource,
         handles_(config_.handle),
         space_(config_.reservation, config_.reservation_alignment()),
         compactor_(*layer_, config_, free_, handles_, space_),
-        blocks_(*layer_, config_, free_, handles_),
+        blocks_(*layer_, config_, free_, handles_, config_.recent_frees),
         grow_ahead_bytes_(options_.grow_ahead_bytes.value_or(
             layer_->device() >= 0 ? default_grow_ahead_bytes : 0)) {
     if (grow_ahead_bytes_ != 0) {
@@ -203,6 +209,7 @@ class vm_resource final : public memory_resource,
       ahead_->cancel(lock);  // what is made ahead is given back too, and not made again at once
       ahead_->wait_step(lock);
     }
+    blocks_.flush_recent();
     return compactor_.release_idle();
   }
 
@@ -217,6 +224,7 @@ class vm_resource final : public memory_resource,
       ahead_->cancel(lock);
       ahead_->wait_step(lock);
     }
+    blocks_.flush_recent();
     return compactor_.release_tail();
   }
 
@@ -232,6 +240,7 @@ class vm_resource final : public memory_resource,
   /// What it holds, in virtual-memory terms (walks the free ranges: not for hot loops).
   [[nodiscard]] vm_resource_stats vm_stats() const {
     const detail::lock_guard lock(mutex_);
+    blocks_.flush_recent();
     return detail::collect_vm_stats(config_, space_, handles_, blocks_, free_, compactor_);
   }
 
@@ -257,14 +266,12 @@ class vm_resource final : public memory_resource,
   /// a block it gave out and has not freed.
   [[nodiscard]] vm_block_handles block_handles(const void* p) const {
     const detail::lock_guard lock(mutex_);
-    require_exportable("block_handles");
     return blocks_.handles_of(reinterpret_cast<std::uintptr_t>(p));
   }
 
   /// The handles under [p, p + bytes) of mapped memory; std::invalid_argument otherwise.
   [[nodiscard]] vm_block_handles handles_covering(const void* p, std::size_t bytes) const {
     const detail::lock_guard lock(mutex_);
-    require_exportable("handles_covering");
     return blocks_.handles_covering(reinterpret_cast<std::uintptr_t>(p), bytes);
   }
 
@@ -308,14 +315,6 @@ class vm_resource final : public memory_resource,
   [[nodiscard]] detail::vm_mapping_layer& mapping_layer() const noexcept { return *layer_; }
 
  private:
-  void require_exportable(const char* who) const {
-    if (!options_.exportable) {
-      throw std::invalid_argument(std::string("cudamem::vm_resource::") + who +
-                                  ": the resource was not made exportable "
-                                  "(vm_resource_options::exportable)");
-    }
-  }
-
   // --- the memory_resource interface ------------------------------------------------------
 
   void* do_allocate(std::size_t bytes, std::size_t alignment, stream_view stream) override {
@@ -335,19 +334,8 @@ class vm_resource final : public memory_resource,
   std::string_view do_name() const noexcept override { return "vm_resource"; }
   resource_stats do_stats() const override {
     const detail::lock_guard lock(mutex_);
-    resource_stats s;
-    s.reserved_bytes = handles_.mapped_bytes;
-    s.used_bytes = blocks_.used_bytes();
-    s.peak_used_bytes = blocks_.peak_used_bytes();
-    s.free_blocks = free_.count();
-    s.largest_free_block = free_.largest();
-    if (const auto capacity = layer_->simulated_capacity()) {
-      s.capacity = *capacity;
-    }
-    if (options_.physical_limit) {
-      s.budget = *options_.physical_limit;
-    }
-    return s;
+    blocks_.flush_recent();
+    return detail::collect_resource_stats(*layer_, options_, handles_, blocks_, free_);
   }
 
   // --- allocation -------------------------------------------------------------------------
@@ -367,6 +355,9 @@ class vm_resource final : public memory_resource,
                                                                  granule),
                                granule};
     detail::unique_lock lock(mutex_);
+    if (void* p = blocks_.take_recent(r, bytes, stream, sync, mark)) {
+      return p;  // nothing left the frontier: no need to look at growth ahead
+    }
     if (void* p = blocks_.take_fit(r, bytes, stream, sync, mark)) {
       return grew_ahead(lock, p);
     }
@@ -382,7 +373,13 @@ class vm_resource final : public memory_resource,
           return grew_ahead(lock, p);
         }
       }
-      // The thread is idle now, and cannot begin a step while this lock is held.
+      // The thread is idle now, and cannot begin a step while this lock is held. Blocks kept
+      // aside go back among the free ranges: merged there, they may hold the request.
+      if (blocks_.flush_recent()) {
+        if (void* p = blocks_.take_fit(r, bytes, stream, sync, mark)) {
+          return grew_ahead(lock, p);
+        }
+      }
       // Growth, neighbours merged by a host wait, a compaction (detail/vm/compactor.hpp).
       cause.clear();
       if (compactor_.make_room(r.needed, r.whole, cause,
@@ -430,6 +427,7 @@ class vm_resource final : public memory_resource,
   /// One step of the growth thread (detail::growth_work): a batch planned under the lock, made
   /// without it, published under it. True while more is wanted.
   bool growth_step(detail::unique_lock<detail::mutex>& lock) override {
+    blocks_.flush_recent();  // blocks kept aside at the frontier are free memory there
     auto batch = compactor_.plan_ahead(grow_ahead_bytes_);
     if (!batch) {
       return false;
@@ -458,6 +456,7 @@ class vm_resource final : public memory_resource,
   [[nodiscard]] std::size_t bytes_held_ahead() const noexcept override {
     try {
       const detail::lock_guard lock(mutex_);
+      blocks_.flush_recent();
       return compactor_.tail_bytes();
     } catch (...) {
       return 0;
@@ -488,11 +487,12 @@ class vm_resource final : public memory_resource,
   detail::vm_config config_;
 
   mutable detail::mutex mutex_;  ///< guards everything below
-  detail::free_range_index free_;
+  // mutable: reading the free ranges puts blocks kept aside back first (live_blocks.hpp).
+  mutable detail::free_range_index free_;
   detail::handle_set handles_;
   detail::address_space space_;
   detail::vm_compactor compactor_;
-  detail::vm_live_blocks blocks_;
+  mutable detail::vm_live_blocks blocks_;
   std::size_t grow_ahead_bytes_;  ///< options_.grow_ahead_bytes, resolved
   std::unique_ptr<detail::growth_thread> ahead_;  ///< grow_ahead_bytes; last: stopped first
 };

@@ -61,6 +61,7 @@ class Stats(ctypes.Structure):
         ("host_waits", ctypes.c_uint64),
         ("device_syncs", ctypes.c_uint64),
         ("bulk_declined", ctypes.c_uint64),
+        ("recent_reuses", ctypes.c_uint64),
     ]
 
 
@@ -284,6 +285,7 @@ def stats(allocator_id, device):
         "host_waits": s.host_waits,
         "device_syncs": s.device_syncs,
         "bulk_declined": s.bulk_declined,
+        "recent_reuses": s.recent_reuses,
     }
 
 

@@ -233,7 +233,10 @@ def stats(device=None, pool=None):
     to keep keep_free_bytes free), stream_waits, host_waits and device_syncs (what the pool
     did to keep stream order), bulk_declined (vm_pool: tensors of a whole multiple of
     bulk_handle_bytes asked of the 4 MiB handles, as the bulk ones would have grown into
-    keep_free_bytes). `pool`: a pool made by pool(), else the process-wide allocator."""
+    keep_free_bytes), recent_reuses (vm_pool: tensors of 4 MiB or more served by a block of
+    their size freed on their stream and kept aside, with no search of free memory; the C
+    library's recent_frees). `pool`: a pool made by pool(), else the process-wide
+    allocator."""
     return _native.stats(_allocator_id(pool), _device(device))
 
 

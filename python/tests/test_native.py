@@ -69,6 +69,31 @@ def test_stats_count_compactions():
         _native.destroy(allocator_id)
 
 
+def test_stats_count_recent_reuses():
+    """A large block freed on a stream is the next one of its size there (recent_frees),
+    once the device holds enough for it to be kept aside; recent_frees=0 keeps none, and a
+    count past 256 is refused."""
+    stream = 0x10
+    for config, reuses in (("", 1), (", recent_frees=0", 0)):
+        allocator_id = _native.create("resource=vm_pool, simulate_bytes=4GiB, "
+                                      "grow_ahead_bytes=0" + config)
+        try:
+            body = _native.allocate(allocator_id, 1500 * MiB, 0, stream)
+            p = _native.allocate(allocator_id, 24 * MiB, 0, stream)
+            _native.deallocate(allocator_id, p, 24 * MiB, 0, stream)
+            q = _native.allocate(allocator_id, 24 * MiB, 0, stream)
+            assert q == p
+            assert _native.stats(allocator_id, 0)["recent_reuses"] == reuses
+            _native.deallocate(allocator_id, q, 24 * MiB, 0, stream)
+            _native.deallocate(allocator_id, body, 1500 * MiB, 0, stream)
+        finally:
+            _native.destroy(allocator_id)
+    with pytest.raises(cudamem.ConfigError, match="recent_frees=1000"):
+        _native.create("resource=vm_pool, simulate_bytes=1GiB, recent_frees=1000")
+    with pytest.raises(ValueError, match="applies to resource=vm_pool only"):
+        _native.create("resource=pool, simulate_bytes=1GiB, recent_frees=4")
+
+
 def test_out_of_memory_carries_the_report(simulated):
     with pytest.raises(cudamem.OutOfMemoryError) as caught:
         _native.allocate(simulated, 5 * GiB, 0, None)

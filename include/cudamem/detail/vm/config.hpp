@@ -13,7 +13,7 @@
 
 #include <cudamem/detail/thread_flag_scope.hpp>
 #include <cudamem/detail/vm/mapping.hpp>
-#include <cudamem/detail/vm/options.hpp>  // default_grow_ahead_floor
+#include <cudamem/detail/vm/options.hpp>  // default_grow_ahead_floor, max_recent_frees
 
 #include <algorithm>
 #include <cstddef>
@@ -32,6 +32,8 @@ struct vm_config {
   std::size_t reservations_before_sweep = 0;
   std::size_t ahead_floor = 0;  ///< free device memory growth ahead leaves (resolved option)
   std::size_t keep_free = 0;    ///< free device memory growth for a request leaves if it can
+  std::size_t recent_frees = 0;  ///< blocks of whole handles kept aside once freed
+  bool exportable = false;       ///< block_handles and handles_covering may be asked
 
   /// The config of a vm_resource with options `o` (a vm_resource_options) over `layer`;
   /// throws std::invalid_argument for a null layer or options no resource can work with.
@@ -46,6 +48,11 @@ struct vm_config {
     if (o.reservations_before_sweep == 0) {
       throw std::invalid_argument(
           "cudamem::vm_resource: reservations_before_sweep must not be 0");
+    }
+    if (o.recent_frees > max_recent_frees) {
+      throw std::invalid_argument("cudamem::vm_resource: recent_frees must be at most " +
+                                  std::to_string(max_recent_frees) + ", not " +
+                                  std::to_string(o.recent_frees));
     }
     vm_config c;
     c.granule = layer->granularity();
@@ -64,6 +71,8 @@ struct vm_config {
         o.grow_ahead_floor_bytes.value_or(default_grow_ahead_floor(layer->device_total())),
         o.keep_free_bytes);
     c.keep_free = o.keep_free_bytes;
+    c.recent_frees = o.recent_frees;
+    c.exportable = o.exportable;
     return c;
   }
 

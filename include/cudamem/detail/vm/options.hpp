@@ -57,6 +57,23 @@ inline constexpr std::size_t grow_ahead_floor_device_share = 32;
   return std::max(grow_ahead_floor_min_bytes, device_total / grow_ahead_floor_device_share);
 }
 
+/// recent_frees when left unset, and the most it accepts (a request scans them all).
+inline constexpr std::size_t default_recent_frees = 16;
+inline constexpr std::size_t max_recent_frees = 256;
+
+/// The blocks kept aside by recent_frees hold at most this fraction's inverse of the memory
+/// mapped (1/16); a larger block is not kept. Why. A block kept aside is free memory that best
+/// fit does not see: a request of another size that finds room elsewhere takes it there, and
+/// while a resource grows, that elsewhere is memory the next growth would have spared. So
+/// blocks kept add to the footprint, up to their bytes. Measured on 2026-11-29 with
+/// `bench_capi_replay_cost bench/traces/train_b26.log` (a PyTorch training loop's log, the C
+/// API's stack: 4 MiB handles, a simulated 16 GiB device; counts, the same on any host): with
+/// no bound (this constant's test removed from live_blocks.hpp), the last 16 blocks of any size
+/// served 64% of the allocations of 4 MiB or more and the most held grew from 10064 MiB to
+/// 10960 (+8.9%); the last 64, 75% and 12600 MiB (+25%). With 1/16: 54% and 10156 MiB (+0.9%,
+/// within what placement alone moves it); 1/32: 46% and 10028 MiB.
+inline constexpr std::size_t recent_frees_share = 16;
+
 /// How to build a vm_resource.
 struct vm_resource_options {
   /// Size of each physical handle: the unit of growth and of recycling (rounded up to the
@@ -111,6 +128,16 @@ struct vm_resource_options {
   /// a request that recycling cannot serve still grows into the reserve, as it would without
   /// it. Growth ahead keeps at least this much free too. Costs one cudaMemGetInfo per growth.
   std::size_t keep_free_bytes = 0;
+  /// How many of the last blocks of whole handles freed are kept aside, as they are, for the
+  /// next request of their size on their stream (0: none; at most max_recent_frees). Such a
+  /// request then costs the host a scan of their sizes instead of a best fit among the free
+  /// ranges, and the free no merge (detail/vm/recent_frees.hpp). They hold at most 1/16 of what
+  /// is mapped (recent_frees_share), and none are kept once the resource cannot grow (the
+  /// device has said full, or physical_limit is reached): there a block kept aside could cost
+  /// a compaction. They are free memory all the same: whatever reads or reshapes free memory
+  /// (a request nothing else fits, growth, release(), trim(), the statistics) puts them back
+  /// among the free ranges first.
+  std::size_t recent_frees = default_recent_frees;
 };
 
 /// The physical handles under one block, in address order: they tile
@@ -156,6 +183,8 @@ struct vm_resource_stats {
   std::size_t kept_free_compactions = 0;   ///< of compactions: recycled rather than grown
                                            ///< because growth would have left the device
                                            ///< less free than keep_free_bytes
+  std::size_t recent_reuses = 0;           ///< requests served by a block kept aside
+                                           ///< (recent_frees), not from the free ranges
   bool growth_ahead_held_back = false;     ///< growth ahead waits for a growth of its own
                                            ///< (after a give-back, or at the floor)
 };
