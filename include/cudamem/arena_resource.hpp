@@ -43,7 +43,6 @@
 #pragma once
 
 #include <cudamem/detail/nvtx.hpp>
-#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 

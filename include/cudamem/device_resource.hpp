@@ -32,7 +32,7 @@
 #pragma once
 
 #include <cudamem/detail/cuda/cuda_upstream.hpp>
-#include <cudamem/memory_report.hpp>
+#include <cudamem/out_of_memory.hpp>
 #include <cudamem/memory_resource.hpp>
 
 #include <cuda_runtime_api.h>

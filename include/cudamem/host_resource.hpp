@@ -16,7 +16,6 @@
 #pragma once
 
 #include <cudamem/detail/usage_counter.hpp>
-#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 

@@ -27,7 +27,6 @@
 #include <cudamem/detail/adaptors/adaptor_base.hpp>
 #include <cudamem/detail/adaptors/owner_bias.hpp>
 #include <cudamem/detail/sync/atomic.hpp>
-#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 

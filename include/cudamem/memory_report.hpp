@@ -55,36 +55,28 @@
 // - Making a report never throws for lack of a device or of NVML: figures it cannot get are
 //   left empty. The first report on a real device loads NVML (tens of milliseconds, once per
 //   process); set CUDAMEM_NO_NVML to skip it.
-// - Throwing an `out_of_memory` never allocates device memory; building the report queries the
-//   device's free/total memory (cudaMemGetInfo) and who holds it (NVML) when the memory is
-//   device-side.
-// - `throw_out_of_memory(resource, ...)` is for the resource that failed;
-//   `rethrow_out_of_memory(resource, ..., below)` for one passing on a failure from below
-//   (adaptors): the report then starts at it and keeps the cause, the verdict and which
-//   resource failed first.
-// - An owner that will catch its upstream's failure and try something else (a pool growing, a
-//   vm_pool giving chunks back and asking again) opens a `detail::discarded_report_scope` for
-//   that upstream: a failure the upstream throws itself (throw_out_of_memory) then carries
-//   only its cause (no chain, no NVML query: ~250 µs on an H100, saved at each failed growth),
-//   and the owner reports from itself if it fails in the end. A failure passed on from below
-//   (rethrow_out_of_memory: adaptors) and every resource further down still build whole
-//   reports, so a retry_adaptor's callback or a log sees what it always saw.
+// - Throwing one (`throw_out_of_memory`, `rethrow_out_of_memory`) is out_of_memory.hpp's.
+//   Including this header anywhere in a program makes every out_of_memory the program throws
+//   carry the whole report, holders and advice included, with to_text() as its what(): the
+//   parts a report needs only to be formatted are compiled here, not in every file that
+//   declares a buffer (out_of_memory.hpp's contract says what a report is without them).
 //
 // Parts (detail/report/; each opens with what it owns)
 //   figures.hpp   what is measured: memory_report, resource_snapshot, the holders' figures,
 //                 format_bytes
+//   measure.hpp   measuring a chain and the device into a report, the verdict (diagnose), and
+//                 the completion this header registers
 //   holders.hpp   who holds the device: NVML's processes, the context's reservations
-//   verdict.hpp   the verdict and the advice (diagnose, explanation, hint, ask_for_hint)
+//   verdict.hpp   the explanation and the advice (explanation, hint, ask_for_hint)
 //   text.hpp      to_text and to_json
-// Here: measuring a chain and the device into a report (make_memory_report), and throwing it.
-// out_of_memory.hpp needs only figures, verdict and text: carrying a report asks nothing.
+// Here: the whole report (make_memory_report) and its registration.
 #pragma once
 
-#include <cudamem/detail/held_ahead.hpp>
 #include <cudamem/detail/json.hpp>
 #include <cudamem/detail/nvml/nvml.hpp>
 #include <cudamem/detail/report/figures.hpp>
 #include <cudamem/detail/report/holders.hpp>
+#include <cudamem/detail/report/measure.hpp>
 #include <cudamem/detail/report/text.hpp>
 #include <cudamem/detail/report/verdict.hpp>
 #include <cudamem/memory_resource.hpp>
@@ -104,62 +96,33 @@ namespace cudamem {
 
 namespace detail {
 
-/// make_memory_report's work, for throw_out_of_memory and rethrow_out_of_memory too:
-/// `verdict`, when given, replaces the diagnosis; `origin_below_top` is how far below
-/// `resource` the resource that failed first sits (0: `resource` itself).
-inline memory_report build_report(const memory_resource& resource, std::size_t bytes,
-                                  std::size_t alignment, std::string cause,
-                                  std::optional<oom_verdict> verdict,
-                                  std::size_t origin_below_top) {
-  memory_report report;
-  report.requested_bytes = bytes;
-  report.alignment = alignment;
-  report.device = resource.device();
-  report.cause = std::move(cause);
-  std::vector<const memory_resource*> resources;
-  for (const memory_resource* r = &resource; r != nullptr; r = r->upstream()) {
-    resource_snapshot snap{std::string(r->name()), r->kind(), r->device(), {}};
-    try {
-      snap.stats = r->stats();
-    } catch (...) {  // a resource that cannot report still leaves the rest of the report useful
-    }
-    report.chain.push_back(std::move(snap));
-    resources.push_back(r);
+/// The whole report's completion (detail/report/measure.hpp): holders, advice and text.
+inline void find_report_holders(memory_report& report, int device) noexcept {
+  try {
+    report.holders = find_holders(device);
+    report.context = find_context_reservations(device);
+  } catch (...) {  // out of host memory: the report goes without the holders
   }
-  const memory_resource* leaf = resources.back();
-  const std::size_t deepest = report.chain.size() - 1;
-  report.origin = origin_below_top < deepest ? origin_below_top : deepest;
-  const resource_stats& leaf_stats = report.chain.back().stats;
-  if (leaf_stats.capacity) {  // a simulated device: its capacity is the whole device
-    report.device_total = *leaf_stats.capacity;
-    const std::size_t not_free = report.held_by_chain() + leaf_stats.held_elsewhere.value_or(0);
-    report.device_free = *leaf_stats.capacity > not_free ? *leaf_stats.capacity - not_free : 0;
-    report.held_ahead = held_ahead_bytes(memory_domain{-1, leaf});
-  } else if (leaf->device() >= 0 && leaf->kind() != memory_kind::host &&
-             leaf->kind() != memory_kind::pinned) {
-    int previous = -1;
-    std::size_t free = 0;
-    std::size_t total = 0;
-    if (cudaGetDevice(&previous) == cudaSuccess && cudaSetDevice(leaf->device()) == cudaSuccess &&
-        cudaMemGetInfo(&free, &total) == cudaSuccess) {
-      report.device_free = free;
-      report.device_total = total;
-      report.held_ahead = held_ahead_bytes(memory_domain{leaf->device(), nullptr});
-      try {
-        report.holders = find_holders(leaf->device());
-        report.context = find_context_reservations(leaf->device());
-      } catch (...) {  // out of host memory: the report goes without the holders
-      }
-    }
-    if (previous >= 0) {
-      static_cast<void>(cudaSetDevice(previous));
-    }
-    static_cast<void>(cudaGetLastError());
-  }
-  report.verdict = verdict ? *verdict : diagnose(report);
-  ask_for_hint(report, resources);
-  return report;
 }
+
+inline void advise_report(memory_report& report,
+                          const std::vector<const memory_resource*>& resources) noexcept {
+  try {
+    ask_for_hint(report, resources);
+  } catch (...) {  // out of host memory: the report goes with the general hint
+  }
+}
+
+[[nodiscard]] inline std::string whole_report_text(const memory_report& report) {
+  return report.to_text();
+}
+
+inline constexpr report_completion whole_report{&find_report_holders, &advise_report,
+                                                &whole_report_text};
+
+/// Every translation unit that includes this header registers the whole report as the program
+/// starts (they all register the same one).
+inline const bool whole_report_registered = register_report_completion(whole_report);
 
 }  // namespace detail
 
@@ -168,75 +131,8 @@ inline memory_report build_report(const memory_resource& resource, std::size_t b
                                                       std::size_t bytes,
                                                       std::size_t alignment = default_alignment,
                                                       std::string cause = {}) {
-  return detail::build_report(resource, bytes, alignment, std::move(cause), std::nullopt, 0);
-}
-
-namespace detail {
-
-/// The resource whose failures on this thread its caller catches and replaces (see the
-/// contract); nullptr when none. Per thread, because a request runs on its caller's thread.
-inline thread_local const memory_resource* report_discarded_for = nullptr;
-
-/// While it lives, a failure `upstream` throws itself (throw_out_of_memory with it as the
-/// resource) on this thread carries only its cause. Scopes nest: each restores the one it
-/// replaced.
-class discarded_report_scope {
- public:
-  explicit discarded_report_scope(const memory_resource& upstream) noexcept
-      : previous_(report_discarded_for) {
-    report_discarded_for = &upstream;
-  }
-  ~discarded_report_scope() { report_discarded_for = previous_; }
-  discarded_report_scope(const discarded_report_scope&) = delete;
-  discarded_report_scope& operator=(const discarded_report_scope&) = delete;
-
- private:
-  const memory_resource* previous_;
-};
-
-/// The report of a failure its caller discards: what was asked, and why it failed.
-[[nodiscard]] inline memory_report cause_only_report(const memory_resource& resource,
-                                                     std::size_t bytes, std::size_t alignment,
-                                                     std::string cause,
-                                                     std::optional<oom_verdict> verdict) {
-  memory_report report;
-  report.requested_bytes = bytes;
-  report.alignment = alignment;
-  report.device = resource.device();
-  report.cause = std::move(cause);
-  report.verdict = verdict.value_or(oom_verdict::unknown);
-  return report;
-}
-
-}  // namespace detail
-
-/// Builds the report for a failed request to `resource` and throws it. `cause` is a short
-/// line from the resource that failed ("cudaMalloc returned cudaErrorMemoryAllocation");
-/// `verdict`, when given, replaces the report's own diagnosis.
-[[noreturn]] inline void throw_out_of_memory(const memory_resource& resource, std::size_t bytes,
-                                             std::size_t alignment, std::string cause = {},
-                                             std::optional<oom_verdict> verdict = std::nullopt) {
-  if (&resource == detail::report_discarded_for) [[unlikely]] {
-    throw out_of_memory(
-        detail::cause_only_report(resource, bytes, alignment, std::move(cause), verdict));
-  }
-  throw out_of_memory(
-      detail::build_report(resource, bytes, alignment, std::move(cause), verdict, 0));
-}
-
-/// For a resource passing on the failure of one below it: throws a report that starts at
-/// `resource` (so it shows the whole chain from there) and keeps what `below` knew — its
-/// cause, its verdict, and which resource failed first.
-[[noreturn]] inline void rethrow_out_of_memory(const memory_resource& resource, std::size_t bytes,
-                                               std::size_t alignment, const memory_report& below) {
-  // The resources from the one that failed down to the leaf are the same in both chains.
-  const std::size_t from_leaf = below.chain.empty() ? 0 : below.chain.size() - 1 - below.origin;
-  std::size_t depth = 0;
-  for (const memory_resource* r = resource.upstream(); r != nullptr; r = r->upstream()) {
-    ++depth;
-  }
-  throw out_of_memory(detail::build_report(resource, bytes, alignment, below.cause,
-                                           below.verdict, depth >= from_leaf ? depth - from_leaf : 0));
+  return detail::measure_report(resource, bytes, alignment, std::move(cause), std::nullopt, 0,
+                                &detail::whole_report);
 }
 
 }  // namespace cudamem

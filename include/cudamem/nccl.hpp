@@ -86,7 +86,6 @@
 #include <cudamem/detail/sync/mutex.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
-#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 #include <cudamem/vm_pool_resource.hpp>

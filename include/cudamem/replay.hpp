@@ -32,8 +32,8 @@
 #pragma once
 
 #include <cudamem/log_format.hpp>
-#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
+#include <cudamem/memory_report.hpp>  // the whole report, in what a replay shows
 #include <cudamem/out_of_memory.hpp>
 #include <cudamem/trace_export.hpp>
 

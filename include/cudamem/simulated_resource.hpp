@@ -39,7 +39,6 @@
 #include <cudamem/detail/sync/atomic.hpp>
 #include <cudamem/detail/sync/mutex.hpp>
 #include <cudamem/error.hpp>
-#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 

@@ -66,7 +66,8 @@
 //   point inside a branch: it names the router or a resource above it.
 #pragma once
 
-#include <cudamem/memory_report.hpp>
+#include <cudamem/detail/report/verdict.hpp>
+#include <cudamem/out_of_memory.hpp>
 #include <cudamem/memory_resource.hpp>
 
 #include <cstddef>

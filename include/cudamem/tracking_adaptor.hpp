@@ -90,7 +90,7 @@
 #include <cudamem/detail/adaptors/owner_bias.hpp>
 #include <cudamem/detail/sync/atomic.hpp>
 #include <cudamem/error.hpp>
-#include <cudamem/memory_report.hpp>
+#include <cudamem/out_of_memory.hpp>
 #include <cudamem/memory_resource.hpp>
 
 #include <algorithm>

@@ -123,7 +123,6 @@
 #include <cudamem/detail/vm/pool_sources.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/device_resource.hpp>
-#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 #include <cudamem/pool_resource.hpp>

@@ -133,7 +133,6 @@
 #include <cudamem/detail/stream_tag.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
-#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 

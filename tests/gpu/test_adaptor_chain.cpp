@@ -7,6 +7,7 @@
 #include <cudamem/device_buffer.hpp>
 #include <cudamem/device_resource.hpp>
 #include <cudamem/limiting_adaptor.hpp>
+#include <cudamem/memory_report.hpp>  // the whole report: what() is its text
 #include <cudamem/log_format.hpp>
 #include <cudamem/logging_adaptor.hpp>
 #include <cudamem/out_of_memory.hpp>

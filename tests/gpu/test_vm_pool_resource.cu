@@ -3,6 +3,7 @@
 // the upstream alone), everything given back at destruction, real swiss cheese, the mixed
 // trace's variants run twice on one pool (the second run keeps as much live as the first),
 // peers, bad input; memory made ahead by the growth thread; per-thread streams of two threads.
+#include <cudamem/memory_report.hpp>
 #include <cudamem/stream.hpp>
 #include <cudamem/vm_pool_resource.hpp>
 #include <cudamem/vm_resource.hpp>

@@ -2,6 +2,7 @@
 // exactness under threads), over host memory.
 #include <cudamem/host_resource.hpp>
 #include <cudamem/limiting_adaptor.hpp>
+#include <cudamem/memory_report.hpp>  // the whole report: what() is its text
 #include <cudamem/out_of_memory.hpp>
 #include <cudamem/statistics_adaptor.hpp>
 

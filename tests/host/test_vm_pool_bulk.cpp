@@ -4,6 +4,7 @@
 // resources when the device is full, the bulk resource held above keep_free, failures that
 // leak nothing, bad input, and when there is no bulk resource at all.
 #include <cudamem/detail/vm/simulated_mapping.hpp>
+#include <cudamem/memory_report.hpp>
 #include <cudamem/simulated_resource.hpp>
 #include <cudamem/statistics_adaptor.hpp>
 #include <cudamem/vm_pool_resource.hpp>

@@ -5,6 +5,7 @@
 // device (a kept block at the frontier is part of it); several threads beside the growth
 // thread, and destruction.
 #include <cudamem/detail/vm/simulated_mapping.hpp>
+#include <cudamem/memory_report.hpp>
 #include <cudamem/simulated_resource.hpp>
 #include <cudamem/vm_pool_resource.hpp>
 #include <cudamem/vm_resource.hpp>

@@ -20,7 +20,6 @@
 // for host-only upstreams, touches no CUDA API at all). `request_stream` carries which it was.
 #pragma once
 
-#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 

@@ -10,7 +10,6 @@
 #include <cudamem/detail/usage_counter.hpp>
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
-#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 #include <cudamem/stream.hpp>

@@ -34,7 +34,6 @@
 #include <cudamem/detail/sync/mutex.hpp>
 #include <cudamem/detail/unique_owner.hpp>
 #include <cudamem/error.hpp>
-#include <cudamem/memory_report.hpp>
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/out_of_memory.hpp>
 

@@ -8,10 +8,12 @@
 // its whole surface; each member is defined in the part it belongs to:
 //   here                        held_by_chain, held_by_others, process_outside_chain,
 //                               unattributed (the figures derived from the others)
-//   detail/report/verdict.hpp   verdict_subject, explanation, hint, general_hint
+//   detail/report/measure.hpp   verdict_subject
+//   detail/report/verdict.hpp   explanation, hint, general_hint
 //   detail/report/text.hpp      to_text, to_json
-// Filling one in (measuring the chain and the device; the holders from NVML,
-// detail/report/holders.hpp) is memory_report.hpp's make_memory_report.
+// The last two are memory_report.hpp's parts: include it to read a report's text and advice.
+// Filling one in is measure.hpp's (the chain and the device) and memory_report.hpp's (the
+// holders from NVML, detail/report/holders.hpp).
 #pragma once
 
 #include <cudamem/memory_resource.hpp>
@@ -177,7 +179,7 @@ struct memory_report {
     return used > named ? used - named : 0;
   }
 
-  // The verdict and the advice: detail/report/verdict.hpp.
+  // The verdict's subject: detail/report/measure.hpp; the advice: detail/report/verdict.hpp.
   /// The position in `chain` the verdict points at: the resource over its budget, the pool
   /// whose free blocks are too small, the leaf for the device's own fragmentation; nothing
   /// for the other verdicts.

@@ -4,8 +4,8 @@
 // numbers that decided it, and the hint. `to_json()` is the same as one JSON object, every
 // figure in bytes.
 //
-// Part of memory_report.hpp; out_of_memory.hpp includes it for what(). The sentences about the
-// verdict come from detail/report/verdict.hpp.
+// Part of memory_report.hpp, which makes to_text() every out_of_memory's what() (see
+// measure.hpp). The sentences about the verdict come from detail/report/verdict.hpp.
 #pragma once
 
 #include <cudamem/detail/json.hpp>

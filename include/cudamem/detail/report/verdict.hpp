@@ -1,15 +1,15 @@
-// cudamem/detail/report/verdict.hpp — why a request failed, and what to do about it: the
-// verdict decided from a report's figures (diagnose, in the order memory_report.hpp's contract
-// gives), the resource it points at (verdict_subject), the sentence with the numbers behind
-// it (explanation), and the advice (hint): a resource's own, asked of the chain's resources in
-// turn (ask_for_hint, which calls memory_resource::oom_hint), else the general one for the
-// verdict (general_hint).
+// cudamem/detail/report/verdict.hpp — what to say about a verdict: the sentence with the
+// numbers behind it (explanation), and the advice (hint): a resource's own, asked of the
+// chain's resources in turn (ask_for_hint, which calls memory_resource::oom_hint), else the
+// general one for the verdict (general_hint). The verdict itself, and the resource it points
+// at (diagnose, verdict_subject), are measure.hpp's: every file that throws decides it.
 //
 // Part of memory_report.hpp. It reads only the figures already in the report (figures.hpp) and
 // asks neither the device nor NVML, so a report an exception carries can explain itself.
 #pragma once
 
 #include <cudamem/detail/report/figures.hpp>
+#include <cudamem/detail/report/measure.hpp>
 #include <cudamem/memory_resource.hpp>
 
 #include <cstddef>
@@ -22,24 +22,6 @@ namespace cudamem {
 
 // The members of memory_report this part defines; each is declared, with what it says, in
 // figures.hpp.
-
-inline std::optional<std::size_t> memory_report::verdict_subject() const noexcept {
-  for (std::size_t i = 0; i < chain.size(); ++i) {
-    const resource_stats& s = chain[i].stats;
-    if (verdict == oom_verdict::budget && s.budget &&
-        s.used_bytes + requested_bytes > *s.budget) {
-      return i;
-    }
-    if (verdict == oom_verdict::fragmentation && s.largest_free_block &&
-        s.free_bytes() >= requested_bytes && *s.largest_free_block < requested_bytes) {
-      return i;
-    }
-  }
-  if (verdict == oom_verdict::fragmentation && !chain.empty()) {
-    return chain.size() - 1;  // the device itself: the leaf got what the device has
-  }
-  return std::nullopt;
-}
 
 inline std::string memory_report::explanation() const {
   switch (verdict) {
@@ -162,40 +144,6 @@ inline std::string memory_report::held_by_others_hint() const {
 }
 
 namespace detail {
-
-/// Decides the verdict from the figures already in `r`.
-inline oom_verdict diagnose(const memory_report& r) {
-  const std::size_t bytes = r.requested_bytes;
-  for (const resource_snapshot& s : r.chain) {
-    if (s.stats.budget && s.stats.used_bytes + bytes > *s.stats.budget) {
-      return oom_verdict::budget;
-    }
-  }
-  if (!r.device_total || !r.device_free) {
-    return oom_verdict::unknown;
-  }
-  if (bytes > *r.device_total) {
-    return oom_verdict::larger_than_device;
-  }
-  // A pool with enough free bytes in total but no block large enough, on a device that could
-  // not make up the difference: the memory exists, in the wrong shape.
-  for (const resource_snapshot& s : r.chain) {
-    if (s.stats.largest_free_block && s.stats.free_bytes() >= bytes &&
-        *s.stats.largest_free_block < bytes && *r.device_free < bytes) {
-      return oom_verdict::fragmentation;
-    }
-  }
-  // The device itself fragmented: it has enough free, yet the chain could not get the request
-  // from it, so no free range is large enough (the leaf may say so with largest_free_block; a
-  // simulated first-fit device does). On real GPUs virtual memory makes this rare.
-  if (*r.device_free >= bytes) {
-    return oom_verdict::fragmentation;
-  }
-  // Whoever holds more of the used memory is what stands in the way.
-  const std::size_t ours = r.held_by_chain();
-  return r.held_by_others().value_or(0) > ours ? oom_verdict::held_by_others
-                                               : oom_verdict::exhausted;
-}
 
 /// Asks the chain's resources for their own advice, in the order of memory_report.hpp's
 /// contract; the first answer becomes `r.resource_hint`. A resource that throws while

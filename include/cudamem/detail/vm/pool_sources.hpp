@@ -39,7 +39,7 @@
 #include <cudamem/device_resource.hpp>
 #include <cudamem/error.hpp>  // report_problem
 #include <cudamem/limiting_adaptor.hpp>
-#include <cudamem/memory_report.hpp>  // format_bytes
+#include <cudamem/out_of_memory.hpp>  // format_bytes
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/vm_resource.hpp>
 

@@ -14,7 +14,6 @@
 #include <cudamem/detail/sync/mutex.hpp>
 #include <cudamem/detail/vm/mapping.hpp>
 #include <cudamem/memory_resource.hpp>
-#include <cudamem/memory_report.hpp>
 #include <cudamem/out_of_memory.hpp>
 
 #include <cuda_runtime_api.h>
