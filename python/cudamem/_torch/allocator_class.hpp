@@ -296,7 +296,9 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
                                   const std::shared_ptr<c10::GatheredContext>& context);
 
   // --- frees (allocator_frees.hpp) ---------------------------------------------------------
-  void complete_free(std::unique_lock<std::mutex>& lock, block b);
+  /// After it the lock is held again, unless `relock` is false: a free() that has nothing
+  /// left to do under the lock skips taking it once more.
+  void complete_free(std::unique_lock<std::mutex>& lock, block b, bool relock = true);
   void finish_pending_frees(std::unique_lock<std::mutex>& lock, bool wait);
   void finish_deferred(std::unique_lock<std::mutex>& lock);
   void reclaim_in_capture(std::unique_lock<std::mutex>& lock, cudaStream_t stream);

@@ -92,11 +92,13 @@ void cudamem_torch_allocator::free(void* ptr) {
   if (context) {
     done.context = std::move(context);  // completed now: the free's stack, as PyTorch records
   }
-  complete_free(lock, std::move(done));
+  complete_free(lock, std::move(done), /*relock=*/false);
 }
 
-/// The block goes back: to its pool, or to cudamem (outside the lock). Called with the lock.
-void cudamem_torch_allocator::complete_free(std::unique_lock<std::mutex>& lock, block b) {
+/// The block goes back: to its pool, or to cudamem (outside the lock). Called with the lock;
+/// holds it again on return unless `relock` is false.
+void cudamem_torch_allocator::complete_free(std::unique_lock<std::mutex>& lock, block b,
+                                            bool relock) {
   devices_[b.device].figures.on_free_completed(b.size, b.requested);
   record_trace(hist::TraceEntry::FREE_COMPLETED, b.device,
                reinterpret_cast<std::uintptr_t>(b.address), b.requested, b.stream, b.pool,
@@ -117,7 +119,9 @@ void cudamem_torch_allocator::complete_free(std::unique_lock<std::mutex>& lock, 
   lock.unlock();
   const cudamem_status s =
       cudamem_deallocate(process_allocator, b.address, b.size, b.device, b.stream);
-  lock.lock();
+  if (relock) {
+    lock.lock();
+  }
   if (s != CUDAMEM_OK) {
     TORCH_WARN("cudamem: freeing a block: ", last_error());
   }
