@@ -21,6 +21,14 @@
 // memory moves at 55 GB/s. Pinning the user's memory (cudaHostRegister) costs more than the
 // copy unless the memory is copied many times; copying through chunks pinned once does not.
 //
+// Why a template. `copy_stager` is `basic_copy_stager<>`, and `default_copy_stager` and
+// `release_default_copy_stagers` are function templates, all of one instantiation. A
+// device_buffer's header includes this one (its constructor from a host range stages large
+// copies), so every file that declares a buffer would otherwise compile the stager's ~300
+// lines of non-template code; as templates they are compiled only in a file that copies
+// between host and device memory (bench/compile_time.py: ~0.3 s of each nvcc translation
+// unit). Nothing else changes: the names are used as before.
+//
 // Contract
 // - `copy_to_device(dst, src, bytes, stream)` / `copy_to_host(dst, src, bytes, stream)`: `src` /
 //   `dst` on the host may be any host memory (pageable memory is what it is for); the other
@@ -94,11 +102,13 @@
 
 namespace cudamem {
 /// Copies between pageable host memory and device memory through pinned chunks kept for reuse.
-class copy_stager {
+/// Use it as `copy_stager` (basic_copy_stager<>); see "Why a template" above.
+template <class Deferred = void>
+class basic_copy_stager {
  public:
   /// A stager for copies on streams of `device` (-1: the current device).
-  explicit copy_stager(int device = -1, const copy_stager_options& options = {})
-      : copy_stager(detail::make_unique_owner<detail::cuda_transfer_engine>(
+  explicit basic_copy_stager(int device = -1, const copy_stager_options& options = {})
+      : basic_copy_stager(detail::make_unique_owner<detail::cuda_transfer_engine>(
                         detail::resolve_device(device)),
                     options) {}
 
@@ -107,7 +117,7 @@ class copy_stager {
     requires requires(EngineOwner& owner) {
       { owner.release() } -> std::convertible_to<detail::transfer_engine*>;
     }
-  explicit copy_stager(EngineOwner engine, const copy_stager_options& options = {})
+  explicit basic_copy_stager(EngineOwner engine, const copy_stager_options& options = {})
       : options_(detail::validated_stager_options(options)),
         engine_(engine.release()),
         slots_(options_.chunk_count) {
@@ -116,11 +126,11 @@ class copy_stager {
     }
   }
 
-  copy_stager(const copy_stager&) = delete;
-  copy_stager& operator=(const copy_stager&) = delete;
+  basic_copy_stager(const basic_copy_stager&) = delete;
+  basic_copy_stager& operator=(const basic_copy_stager&) = delete;
 
   /// Waits for copies in progress, frees the chunks, joins the workers.
-  ~copy_stager() { release(); }
+  ~basic_copy_stager() { release(); }
 
   /// Copies `bytes` from host memory `src` to device memory `dst` in stream order on `stream`;
   /// `src` may be reused when it returns.
@@ -203,7 +213,7 @@ class copy_stager {
   /// The chunks one copy holds, and what it must undo if it fails (see the contract).
   class held_chunks {
    public:
-    held_chunks(copy_stager& owner, std::vector<std::size_t> slots, stream_view stream)
+    held_chunks(basic_copy_stager& owner, std::vector<std::size_t> slots, stream_view stream)
         : owner_(owner), slots_(std::move(slots)), stream_(stream) {}
     held_chunks(const held_chunks&) = delete;
     held_chunks& operator=(const held_chunks&) = delete;
@@ -216,7 +226,7 @@ class copy_stager {
     void succeeded() noexcept { succeeded_ = true; }
 
    private:
-    copy_stager& owner_;
+    basic_copy_stager& owner_;
     std::vector<std::size_t> slots_;
     stream_view stream_;
     bool succeeded_ = false;
@@ -384,6 +394,9 @@ class copy_stager {
   detail::memcpy_workers workers_;
 };
 
+/// The stager (see the contract).
+using copy_stager = basic_copy_stager<>;
+
 // --- when cudamem::copy stages, and the per-device stagers it uses ---------------------------
 
 /// cudamem::copy's threshold by default: 1 MiB. Measured on the H100 (bench_buffers, section 3,
@@ -401,20 +414,23 @@ inline detail::atomic<std::size_t>& direct_copy_limit() noexcept {
 }
 
 /// The default stagers, one per device; never destroyed (see the contract).
+template <class Deferred>
 struct default_stager_table {
   detail::mutex mutex;
-  std::vector<copy_stager*> per_device;
+  std::vector<basic_copy_stager<Deferred>*> per_device;
   detail::atomic<bool> retired{false};  // set at exit: copies go direct from then on
 };
 
-inline default_stager_table& default_stagers() {
-  static default_stager_table* const table = new default_stager_table;
+template <class Deferred = void>
+inline default_stager_table<Deferred>& default_stagers() {
+  static default_stager_table<Deferred>* const table = new default_stager_table<Deferred>;
   return *table;
 }
 
+template <class Deferred = void>
 inline void release_stagers(bool retire) noexcept {
-  default_stager_table& table = default_stagers();
-  std::vector<copy_stager*> stagers;
+  default_stager_table<Deferred>& table = default_stagers<Deferred>();
+  std::vector<basic_copy_stager<Deferred>*> stagers;
   {
     const detail::lock_guard lock{table.mutex};
     if (retire) {
@@ -422,14 +438,17 @@ inline void release_stagers(bool retire) noexcept {
     }
     stagers = table.per_device;  // may throw bad_alloc: noexcept ends the program, as it should
   }
-  for (copy_stager* stager : stagers) {
+  for (basic_copy_stager<Deferred>* stager : stagers) {
     if (stager != nullptr) {
       stager->release();
     }
   }
 }
 
-inline void retire_default_stagers_at_exit() noexcept { release_stagers(true); }
+template <class Deferred = void>
+inline void retire_default_stagers_at_exit() noexcept {
+  release_stagers<Deferred>(true);
+}
 
 }  // namespace detail
 
@@ -443,33 +462,41 @@ inline void set_direct_copy_max_bytes(std::size_t bytes) noexcept {
   detail::direct_copy_limit().store(bytes, detail::memory_order_relaxed);
 }
 
-/// The stager of `device` (-1: the current one), made on first use; see the contract.
-[[nodiscard]] inline copy_stager& default_copy_stager(int device = -1) {
+/// The stager of `device` (-1: the current one), made on first use; see the contract. (Call it
+/// as a function: `default_copy_stager()`, `default_copy_stager(1)`; the template parameter
+/// only defers its compilation, see "Why a template".)
+template <class Deferred = void>
+[[nodiscard]] inline basic_copy_stager<Deferred>& default_copy_stager(int device = -1) {
   device = detail::resolve_device(device);
-  detail::default_stager_table& table = detail::default_stagers();
+  detail::default_stager_table<Deferred>& table = detail::default_stagers<Deferred>();
   const detail::lock_guard lock{table.mutex};
   if (table.per_device.size() <= static_cast<std::size_t>(device)) {
     table.per_device.resize(static_cast<std::size_t>(device) + 1, nullptr);
   }
-  copy_stager*& stager = table.per_device[static_cast<std::size_t>(device)];
+  basic_copy_stager<Deferred>*& stager = table.per_device[static_cast<std::size_t>(device)];
   if (stager == nullptr) {
-    static const bool registered = std::atexit(&detail::retire_default_stagers_at_exit) == 0;
+    static const bool registered =
+        std::atexit(&detail::retire_default_stagers_at_exit<Deferred>) == 0;
     static_cast<void>(registered);
-    stager = new copy_stager(device);
+    stager = new basic_copy_stager<Deferred>(device);
   }
   return *stager;
 }
 
 /// Frees every default stager's chunks and joins their threads (they start again if used).
-inline void release_default_copy_stagers() noexcept { detail::release_stagers(false); }
+template <class Deferred = void>
+inline void release_default_copy_stagers() noexcept {
+  detail::release_stagers<Deferred>(false);
+}
 
 namespace detail {
 
 /// What cudamem::copy and device_buffer call for a copy with a host side and a device side:
 /// one cudaMemcpyAsync, or a staged copy when it is large and between pageable and device
 /// memory (see the contract).
+template <class Deferred = void>
 inline void copy_host_device(void* dst, const void* src, std::size_t bytes, stream_view stream) {
-  if (bytes <= direct_copy_max_bytes() || default_stagers().retired) {
+  if (bytes <= direct_copy_max_bytes() || default_stagers<Deferred>().retired) {
     copy_bytes(dst, src, bytes, stream);
     return;
   }
@@ -487,7 +514,7 @@ inline void copy_host_device(void* dst, const void* src, std::size_t bytes, stre
     copy_bytes(dst, src, bytes, stream);
     return;
   }
-  copy_stager& stager = default_copy_stager(stream_device(stream));
+  basic_copy_stager<Deferred>& stager = default_copy_stager<Deferred>(stream_device(stream));
   if (upload) {
     stager.copy_to_device(dst, src, bytes, stream);
   } else {

@@ -57,8 +57,9 @@ inline constexpr std::size_t grow_ahead_floor_device_share = 32;
   return std::max(grow_ahead_floor_min_bytes, device_total / grow_ahead_floor_device_share);
 }
 
-/// recent_frees when left unset, and the most it accepts (a request scans them all).
+/// recent_frees when left unset.
 inline constexpr std::size_t default_recent_frees = 16;
+/// The most recent_frees accepts: a request scans every kept block.
 inline constexpr std::size_t max_recent_frees = 256;
 
 /// The blocks kept aside by recent_frees hold at most this fraction's inverse of the memory
