@@ -9,16 +9,14 @@
 
 #include "../../bench/support/fragmentation.hpp"
 #include "captured_errors.hpp"
+#include "racing_threads.hpp"
 
 #include <catch2/catch.hpp>
 
 #include <algorithm>
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <random>
-#include <thread>
 #include <vector>
 
 using namespace cudamem;
@@ -253,61 +251,17 @@ TEST_CASE("grow ahead: several threads allocate and free beside it; no block ove
     const std::size_t capacity = 2 * GiB;
     sim_vm s{capacity, ahead_options(512 * MiB), {.create_us = 20, .access_us = 30},
              &final_state};
-    std::mutex model_mutex;
-    std::map<std::uintptr_t, std::size_t> live;  // the model: address -> bytes, all threads
-    bool overlap = false;
-    bool inaccessible = false;
-    const auto worker = [&](std::uint32_t seed) {
-      std::mt19937_64 rng{seed};
-      std::vector<std::pair<void*, std::size_t>> mine;
-      const cudaStream_t stream = reinterpret_cast<cudaStream_t>(std::uintptr_t{0x1000} * seed);
-      for (int op = 0; op < 400; ++op) {
-        if (mine.empty() || rng() % 100 < 60) {
-          const std::size_t bytes = (std::size_t{1} << (12 + rng() % 16)) + rng() % 4096;
-          void* p = nullptr;
-          try {
-            p = s.vm.allocate(bytes, 256, stream);
-          } catch (const out_of_memory&) {
-            continue;
-          }
-          const std::lock_guard lock(model_mutex);
-          const std::uintptr_t a = addr(p);
-          const auto next = live.lower_bound(a);
-          overlap = overlap || (next != live.end() && a + bytes > next->first) ||
-                    (next != live.begin() &&
-                     std::prev(next)->first + std::prev(next)->second > a);
-          inaccessible = inaccessible || !s.layer.is_accessible(a, bytes);
-          live.emplace(a, bytes);
-          mine.emplace_back(p, bytes);
-        } else {
-          const std::size_t i = rng() % mine.size();
-          {
-            const std::lock_guard lock(model_mutex);
-            live.erase(addr(mine[i].first));
-          }
-          s.vm.deallocate(mine[i].first, mine[i].second, 256, stream);
-          mine[i] = mine.back();
-          mine.pop_back();
-        }
-      }
-      for (const auto& [p, bytes] : mine) {
-        {
-          const std::lock_guard lock(model_mutex);
-          live.erase(addr(p));
-        }
-        s.vm.deallocate(p, bytes, 256, stream);
-      }
-    };
-    std::vector<std::thread> threads;
-    for (std::uint32_t t = 1; t <= 4; ++t) {
-      threads.emplace_back(worker, t);
-    }
-    for (std::thread& t : threads) {
-      t.join();
-    }
+    const cudamem_test::race_result r = cudamem_test::race(
+        {.threads = 4, .operations = 400, .allocate_percent = 60},
+        [](std::mt19937_64& rng) { return (std::size_t{1} << (12 + rng() % 16)) + rng() % 4096; },
+        [&](std::size_t bytes, cudaStream_t stream) { return s.vm.allocate(bytes, 256, stream); },
+        [&](void* p, std::size_t bytes, cudaStream_t stream) {
+          s.vm.deallocate(p, bytes, 256, stream);
+        },
+        [&](std::uintptr_t at, std::size_t bytes) { return s.layer.is_accessible(at, bytes); });
     s.vm.wait_for_growth();
-    CHECK_FALSE(overlap);
-    CHECK_FALSE(inaccessible);
+    CHECK_FALSE(r.overlap);
+    CHECK(r.failed_checks == 0);
     CHECK(s.vm.stats().used_bytes == 0);
     CHECK(s.vm.vm_stats().mapped_bytes == s.layer.physical_in_use());
     CHECK(s.vm.vm_stats().handles_created_ahead > 0);

@@ -11,15 +11,13 @@
 #include <cudamem/vm_resource.hpp>
 
 #include "captured_errors.hpp"
+#include "racing_threads.hpp"
 
 #include <catch2/catch.hpp>
 
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <random>
-#include <thread>
 #include <vector>
 
 using namespace cudamem;
@@ -32,7 +30,6 @@ constexpr std::size_t MiB = std::size_t{1} << 20;
 constexpr std::size_t GiB = std::size_t{1} << 30;
 
 cudaStream_t fake_stream(std::uintptr_t n) { return reinterpret_cast<cudaStream_t>(n * 0x1000); }
-std::uintptr_t addr(void* p) { return reinterpret_cast<std::uintptr_t>(p); }
 
 /// The C API's shape (4 MiB handles, bulk blocks in 32 MiB ones), growths of 1 GiB (so that
 /// each resource may keep 64 MiB aside from its first allocation on), no growth ahead.
@@ -205,59 +202,16 @@ TEST_CASE("vm_pool recent frees: threads on their own streams beside the growth 
     o.grow_ahead_bytes = 512 * MiB;
     o.grow_ahead_floor_bytes = 0;
     shared_device_pool s{8 * GiB, o, &final_state};
-    std::mutex model_mutex;
-    std::map<std::uintptr_t, std::size_t> live;  // the model: address -> bytes, all threads
-    bool overlap = false;
-    const auto worker = [&](std::uint32_t seed) {
-      std::mt19937_64 rng{seed};
-      const cudaStream_t stream = fake_stream(seed);
-      std::vector<std::pair<void*, std::size_t>> mine;
-      for (int op = 0; op < 600; ++op) {
-        if (mine.empty() || rng() % 100 < 55) {
-          // A few sizes, as a training step's tensors: most frees find their next request.
-          const std::size_t bytes = std::size_t{4 + 4 * (rng() % 6)} * MiB + rng() % 4096;
-          void* p = nullptr;
-          try {
-            p = s.pool.allocate(bytes, 256, stream);
-          } catch (const out_of_memory&) {
-            continue;
-          }
-          const std::lock_guard lock(model_mutex);
-          const std::uintptr_t at = addr(p);
-          const auto next = live.lower_bound(at);
-          overlap = overlap || (next != live.end() && at + bytes > next->first) ||
-                    (next != live.begin() &&
-                     std::prev(next)->first + std::prev(next)->second > at);
-          live.emplace(at, bytes);
-          mine.emplace_back(p, bytes);
-        } else {
-          const std::size_t i = rng() % mine.size();
-          {
-            const std::lock_guard lock(model_mutex);
-            live.erase(addr(mine[i].first));
-          }
-          s.pool.deallocate(mine[i].first, mine[i].second, 256, stream);
-          mine[i] = mine.back();
-          mine.pop_back();
-        }
-      }
-      for (const auto& [p, bytes] : mine) {
-        {
-          const std::lock_guard lock(model_mutex);
-          live.erase(addr(p));
-        }
-        s.pool.deallocate(p, bytes, 256, stream);
-      }
-    };
-    std::vector<std::thread> threads;
-    for (std::uint32_t t = 1; t <= 4; ++t) {
-      threads.emplace_back(worker, t);
-    }
-    for (std::thread& t : threads) {
-      t.join();
-    }
+    // A few sizes, as a training step's tensors: most frees find their next request.
+    const cudamem_test::race_result r = cudamem_test::race(
+        {.threads = 4, .operations = 600, .allocate_percent = 55},
+        [](std::mt19937_64& rng) { return std::size_t{4 + 4 * (rng() % 6)} * MiB + rng() % 4096; },
+        [&](std::size_t bytes, cudaStream_t stream) { return s.pool.allocate(bytes, 256, stream); },
+        [&](void* p, std::size_t bytes, cudaStream_t stream) {
+          s.pool.deallocate(p, bytes, 256, stream);
+        });
     s.pool.upstream_vm().wait_for_growth();
-    CHECK_FALSE(overlap);
+    CHECK_FALSE(r.overlap);
     const vm_pool_stats st = s.pool.vm_stats();
     CHECK(st.recent_reuses > 0);
     CHECK(st.handles_created_ahead > 0);
