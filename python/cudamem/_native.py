@@ -27,9 +27,12 @@ _EXCEPTIONS = {
     _INTERNAL: CudamemError,
 }
 
-# The options install()/pool() take, beside `resource`: keys of the C configuration.
+# The options install()/pool() take, beside `resource`: keys of the C configuration. Sizes
+# are ints (bytes) or strings such as "4GiB"; counts are ints.
 SIZE_OPTIONS = ("limit_bytes", "grow_ahead_bytes", "handle_bytes", "keep_free_bytes",
                 "bulk_handle_bytes", "simulate_bytes")
+COUNT_OPTIONS = ("recent_frees",)
+OPTIONS = SIZE_OPTIONS + COUNT_OPTIONS
 
 
 class Stats(ctypes.Structure):
@@ -205,11 +208,14 @@ def config_text(caller, resource, options, extra=None):
                           % (caller, type(resource).__name__))
     items = ["resource=" + resource]
     for key, value in options.items():
-        if key not in SIZE_OPTIONS:
+        if key not in OPTIONS:
             raise OptionError("%s got an unexpected keyword argument %r (options: %s)"
-                              % (caller, key, ", ".join(SIZE_OPTIONS)))
+                              % (caller, key, ", ".join(OPTIONS)))
         if value is None:
             continue
+        if key in COUNT_OPTIONS and (isinstance(value, bool) or not isinstance(value, int)):
+            raise OptionError("%s: %s must be an int (a count), not %s"
+                              % (caller, key, type(value).__name__))
         if isinstance(value, bool) or not isinstance(value, (int, str)):
             raise OptionError("%s: %s must be an int (bytes) or a size string such as "
                               "'4GiB', not %s" % (caller, key, type(value).__name__))

@@ -28,6 +28,9 @@ strings such as "4GiB"):
                       while its own free memory can serve a request (default 1 GiB)
     bulk_handle_bytes vm_pool: tensors of a whole multiple of this size get handles this big
                       (0: none; default 32 MiB), so that one made from freed memory is fast
+    recent_frees      vm_pool: how many freed tensors of 4 MiB or more are kept aside, each
+                      for the next request of its size on its stream (an int, 0 to 256; 0:
+                      none; default 16), served without a search of free memory
     interface         "full" (the default) or "pluggable": PyTorch's pluggable allocator
                       interface instead, a subset (see the contract); CUDAMEM_TORCH_GLUE=0
                       asks for it too

@@ -153,6 +153,23 @@ def test_config_text_checks_names_and_types_in_python():
         _native.create(_native.config_text("f()", "vm_pool", {"bulk_handle_bytes": "6MiB"}))
 
 
+def test_recent_frees_is_a_count():
+    text = _native.config_text("f()", "vm_pool", {"recent_frees": 4})
+    assert text == "resource=vm_pool, recent_frees=4"
+    allocator_id = _native.create(text + ", simulate_bytes=1GiB")
+    _native.destroy(allocator_id)
+    for value in ("4", 4.0, True):
+        with pytest.raises(TypeError, match="recent_frees must be an int \\(a count\\), not"):
+            _native.config_text("f()", "vm_pool", {"recent_frees": value})
+    with pytest.raises(ValueError, match="must not be negative"):
+        _native.config_text("f()", "vm_pool", {"recent_frees": -1})
+    with pytest.raises(ValueError, match="recent_frees=257"):
+        _native.create(_native.config_text("f()", "vm_pool", {"recent_frees": 257,
+                                                              "simulate_bytes": "1GiB"}))
+    with pytest.raises(TypeError, match="options: .*recent_frees"):
+        _native.config_text("f()", "vm_pool", {"recent_free": 4})
+
+
 def test_every_bad_option_is_a_config_error():
     # One type to catch for a bad configuration; a wrong name or type is also a TypeError, as
     # Python's own for a bad keyword argument, a bad value also a ValueError.
