@@ -222,4 +222,25 @@ struct memory_report {
   [[nodiscard]] inline std::string held_by_others_hint() const;
 };
 
+namespace detail {
+
+/// How every out-of-memory text opens, with or without the whole report: "cudamem: out of
+/// memory: could not allocate 2.00 GiB (alignment 512) on device 0. <cause>."
+[[nodiscard]] inline std::string request_sentences(const memory_report& r) {
+  std::string text = "cudamem: out of memory: could not allocate " + format_bytes(r.requested_bytes);
+  if (r.alignment != 0) {
+    text += " (alignment " + std::to_string(r.alignment) + ")";
+  }
+  if (r.device >= 0) {
+    text += " on device " + std::to_string(r.device);
+  }
+  text += ".";
+  if (!r.cause.empty()) {
+    text += " " + r.cause + ".";
+  }
+  return text;
+}
+
+}  // namespace detail
+
 }  // namespace cudamem

@@ -184,14 +184,7 @@ inline memory_report measure_report(const memory_resource& resource, std::size_t
 /// What what() says when no completion is registered: the request, the cause, the device and
 /// the verdict, and the one sentence that says what is missing and how to get it.
 [[nodiscard]] inline std::string measured_report_text(const memory_report& r) {
-  std::string text = "cudamem: out of memory: could not allocate " + format_bytes(r.requested_bytes);
-  if (r.device >= 0) {
-    text += " on device " + std::to_string(r.device);
-  }
-  text += ".";
-  if (!r.cause.empty()) {
-    text += " " + r.cause + ".";
-  }
+  std::string text = request_sentences(r);
   if (r.device_free && r.device_total) {
     text += " Device: " + format_bytes(*r.device_free) + " free of " +
             format_bytes(*r.device_total) + "; this chain holds " +

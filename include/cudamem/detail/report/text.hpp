@@ -24,17 +24,7 @@ namespace cudamem {
 // figures.hpp.
 
 inline std::string memory_report::to_text() const {
-  std::string text = "cudamem: out of memory: could not allocate " + format_bytes(requested_bytes);
-  if (alignment != 0) {
-    text += " (alignment " + std::to_string(alignment) + ")";
-  }
-  if (device >= 0) {
-    text += " on device " + std::to_string(device);
-  }
-  text += ".";
-  if (!cause.empty()) {
-    text += " " + cause + ".";
-  }
+  std::string text = detail::request_sentences(*this);
   if (device_free && device_total) {
     text += " Device: " + format_bytes(*device_free) + " free of " + format_bytes(*device_total) +
             "; this chain holds " + format_bytes(held_by_chain()) + ", others (processes, " +
