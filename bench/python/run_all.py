@@ -6,7 +6,7 @@
                                     [--train-start B --train-step S] [--train-batch B]
                                     [--speed-passes N] [--speed-window STEPS] [--notes]
                                     [--profile-steps N] [--pin-cpus LIST|auto]
-                                    [--speed-side-by-side]
+                                    [--speed-side-by-side] [--speed-time-calls]
 
 --variants adds cudamem with other options as more columns ("resource=pool",
 "handle_bytes=16MiB,grow_ahead_bytes=0": cudamem.torch.install()'s keywords); --allocators
@@ -176,7 +176,8 @@ def speed_row(allocators, batch, free, args, placement=None):
     kernels = {a: [] for a in allocators}  # per pass (--profile-steps): GPU kernel ms per step
     walls = {a: [] for a in allocators}  # and wall ms per step, of the same profiled steps
     arguments = ("speed", "--batch", batch, "--free-gib", free, "--window", args.speed_window,
-                 "--profile-steps", args.profile_steps)
+                 "--profile-steps", args.profile_steps) + (
+                     ("--time-calls",) if args.speed_time_calls else ())
 
     def record(a, n, r):
         if r:
@@ -295,6 +296,9 @@ def main():
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="speed: each pass then times this many steps' kernels under "
                         "torch.profiler (a row of GPU kernel ms per step against wall ms)")
+    parser.add_argument("--speed-time-calls", action="store_true",
+                        help="speed: cudamem's passes time its allocator's calls and print "
+                        "its host ms per step by window (train.py --time-calls; with --notes)")
     parser.add_argument("--pin-cpus", default="", help="run every child on these cores "
                         "(taskset -c list; auto: the GPU's CPU affinity, from nvidia-smi topo "
                         "-m, one logical CPU per physical core)")

@@ -9,7 +9,8 @@ one allocator per process (run_all.py names it in the environment):
     python3 train.py speed --batch B [--free-gib N]
         steps per second at batch B (median of 5 timed windows of --window steps, 50 by
         default, after a warm-up step at every length), and each window's rate;
-        --profile-steps N then times N more steps' kernels under torch.profiler
+        --profile-steps N then times N more steps' kernels under torch.profiler;
+        --time-calls (cudamem only) prints its allocator's host ms per step in each window
 """
 import argparse
 import random
@@ -89,14 +90,20 @@ def search(torch, model, optimizer, start, increment, steps):
         batch += increment
 
 
-def counters():
+def counters(time_calls=False):
     """cudamem's counts of the work that costs driver calls or waits (None under PyTorch's
-    own allocator): read around each timed window, they say which windows paid for it."""
+    own allocator): read around each timed window, they say which windows paid for it. With
+    time_calls, also the calls to the allocator and the host time they took (time_calls())."""
     if not common.allocator_name().startswith("cudamem"):
         return None
     import cudamem.torch
     stats = cudamem.torch.stats()
-    return {k: stats[k] for k in ("compactions", "host_waits", "stream_waits", "device_syncs")}
+    counts = {k: stats[k] for k in ("compactions", "host_waits", "stream_waits", "device_syncs")}
+    if time_calls:
+        times = cudamem.torch.call_times()
+        counts["calls"] = times["allocations"] + times["frees"]
+        counts["call_ns"] = times["allocation_ns"] + times["free_ns"]
+    return counts
 
 
 def profiled(torch, model, optimizer, batch, steps):
@@ -128,7 +135,7 @@ def profiled(torch, model, optimizer, batch, steps):
                                                    e.count // steps, e.key[:90]))
 
 
-def speed(torch, model, optimizer, batch, window):
+def speed(torch, model, optimizer, batch, window, time_calls=False):
     # Warm-up: one step at every length. cuDNN builds an attention graph for each new shape
     # and CUDA loads kernels on their first launch (each load waits for the device): costs a
     # long run has paid once, which left in the timed windows made one process's steps/s
@@ -138,7 +145,10 @@ def speed(torch, model, optimizer, batch, window):
     torch.cuda.synchronize()
     rng = random.Random(2)
     rates = []
-    counts = [counters()]
+    if time_calls and common.allocator_name().startswith("cudamem"):
+        import cudamem.torch
+        cudamem.torch.time_calls(True)
+    counts = [counters(time_calls)]
     cpu = []  # per window: ms of CPU per step, the main thread's and the whole process's
     for _ in range(5):
         lengths = [draw_length(rng) for _ in range(window)]
@@ -150,7 +160,7 @@ def speed(torch, model, optimizer, batch, window):
         rates.append(window / (time.perf_counter() - t))
         cpu.append((1000.0 * (time.thread_time() - main_cpu) / window,
                     1000.0 * (time.process_time() - process_cpu) / window))
-        counts.append(counters())
+        counts.append(counters(time_calls))
     # Against the wall ms per step (1000 / the window's rate): a main thread that is busy for
     # less than the wall waited (for the GPU, or for a lock); one busy all the time may still
     # be spinning in the driver (a full launch queue, the window's last synchronize), so the
@@ -162,7 +172,12 @@ def speed(torch, model, optimizer, batch, window):
     if counts[0] is not None:  # what each timed window paid for (the warm-up's are before)
         print("NOTE counts in the windows: " + "; ".join(
             "%s %s" % (k, " ".join(str(b[k] - a[k]) for a, b in zip(counts, counts[1:])))
-            for k in counts[0]))
+            for k in counts[0] if k != "call_ns"))
+    if counts[0] is not None and "call_ns" in counts[0]:  # the allocator's share of a step
+        print("NOTE allocator host ms/step by window: " + " ".join(
+            "%.3f" % ((b["call_ns"] - a["call_ns"]) / 1e6 / window)
+            for a, b in zip(counts, counts[1:])) + " (calls/step: %s)" % " ".join(
+            "%.0f" % ((b["calls"] - a["calls"]) / window) for a, b in zip(counts, counts[1:])))
     return rates
 
 
@@ -177,6 +192,9 @@ def main():
     parser.add_argument("--window", type=int, default=50, help="speed: steps per timed window")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="speed: then this many steps under torch.profiler (0: none)")
+    parser.add_argument("--time-calls", action="store_true",
+                        help="speed, under cudamem: time its allocator's calls in each window "
+                             "(cudamem.torch.time_calls)")
     args = parser.parse_args()
     allocator = common.set_up()
     import torch
@@ -187,7 +205,7 @@ def main():
         largest, failed = search(torch, model, optimizer, args.start, args.step, args.steps)
         print("RESULT search %s %d (batch %d failed)" % (allocator, largest, failed))
     else:
-        rates = speed(torch, model, optimizer, args.batch, args.window)
+        rates = speed(torch, model, optimizer, args.batch, args.window, args.time_calls)
         # Every process draws the same lengths: window i is the same work in each, so
         # run_all.py can compare window by window (the windows' rates close the line).
         print("RESULT speed %s %.3f steps/s at batch %d, windows %s"

@@ -36,7 +36,7 @@ SOURCES = ["torch_allocator.cpp", "torch_interface.hpp", "chunk_sources.hpp",
            "allocator_class.hpp", "allocator_malloc.hpp", "allocator_frees.hpp",
            "allocator_stats.hpp", "allocator_pools.hpp", "allocator_history.hpp",
            "allocator_snapshot.hpp", "allocator_ipc.hpp", "capture_order.hpp", "graph_pool.hpp",
-           "snapshot_layout.hpp", "stats.hpp", "trace_ring.hpp"]
+           "snapshot_layout.hpp", "stats.hpp", "trace_ring.hpp", "call_timer.hpp"]
 SUPPORTED = ((2, 7), (2, 15))  # the oldest and newest PyTorch release checked (major, minor)
 SECONDS = 10  # what a build takes, about (4-6 s measured on 2 cores), said before it starts
 LIBRARIES = ["c10", "c10_cuda", "torch_cuda"]  # PyTorch's libraries the allocator links

@@ -147,7 +147,8 @@ TORCH_ALLOCATOR_SOURCES = {
     "cudamem/_torch/allocator_history.hpp", "cudamem/_torch/allocator_snapshot.hpp",
     "cudamem/_torch/allocator_ipc.hpp", "cudamem/_torch/capture_order.hpp",
     "cudamem/_torch/graph_pool.hpp", "cudamem/_torch/snapshot_layout.hpp",
-    "cudamem/_torch/stats.hpp", "cudamem/_torch/trace_ring.hpp", "cudamem/include/cudamem_c.h"}
+    "cudamem/_torch/stats.hpp", "cudamem/_torch/trace_ring.hpp",
+    "cudamem/_torch/call_timer.hpp", "cudamem/include/cudamem_c.h"}
 
 
 def check_wheel_contents(wheel):

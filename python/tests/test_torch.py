@@ -95,7 +95,7 @@ def test_without_the_compiled_allocator_a_failed_allocation_is_a_RuntimeError_at
 
 def test_the_pluggable_interface_is_asked_for_by_an_argument_and_says_what_it_lacks():
     out = run_python("""
-        import torch, warnings, cudamem.torch as ct
+        import torch, warnings, cudamem, cudamem.torch as ct
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ct.install(interface="pluggable")
@@ -108,10 +108,37 @@ def test_the_pluggable_interface_is_asked_for_by_an_argument_and_says_what_it_la
             print("stats served")
         except RuntimeError as e:
             print("stats refused", "does not yet support" in str(e))
+        try:
+            ct.call_times()
+        except cudamem.StateError as e:
+            print("no timing", "pluggable interface" in str(e))
     """)
     assert "warned 1 True True True" in out
     assert "works 4.0" in out
     assert "stats refused True" in out
+    assert "no timing True" in out
+
+
+def test_time_calls_counts_the_allocators_own_calls_while_on():
+    out = run_python("""
+        import torch, cudamem.torch as ct
+        ct.install()
+        x = torch.empty(1 << 20, device="cuda")
+        del x
+        print("off", ct.call_times())
+        ct.time_calls(True)
+        kept = [torch.empty(n << 20, dtype=torch.uint8, device="cuda") for n in (1, 8, 64)]
+        del kept
+        on = ct.call_times()
+        print("on", on["allocations"], on["frees"], on["allocation_ns"] > 0, on["free_ns"] > 0)
+        ct.time_calls(False)
+        y = torch.empty(1 << 20, device="cuda")
+        del y
+        print("stopped", ct.call_times() == on)
+    """)
+    assert "off {'allocations': 0, 'allocation_ns': 0, 'frees': 0, 'free_ns': 0}" in out
+    assert "on 3 3 True True" in out
+    assert "stopped True" in out
 
 
 def test_a_request_past_the_fraction_is_an_oom_rejection_from_pytorch_2_12():

@@ -161,7 +161,8 @@ def run_install(tmp_path, version, cuda="13.0", env=None, call="ct.install()"):
             try:
                 %s
                 print("installed")
-            except (cudamem.TorchAllocatorError, TypeError, ValueError) as e:
+            except (cudamem.TorchAllocatorError, cudamem.StateError, TypeError,
+                    ValueError) as e:
                 print("refused:", e)
                 print("type:", type(e).__name__)
         for w in caught:
@@ -182,6 +183,16 @@ def run_install(tmp_path, version, cuda="13.0", env=None, call="ct.install()"):
 
 needs_library = pytest.mark.skipif(not os.environ.get("CUDAMEM_C_LIBRARY"),
                                    reason="needs libcudamem_c (CUDAMEM_C_LIBRARY)")
+
+
+@needs_library
+def test_timing_the_calls_refuses_a_non_bool_and_wants_install_first(tmp_path):
+    out = run_install(tmp_path, "2.11.0+cu130", call="ct.time_calls('yes')")
+    assert "refused: enabled must be a bool, not str\ntype: TypeError\n" in out
+    for call in ("ct.time_calls(True)", "ct.call_times()"):
+        out = run_install(tmp_path, "2.11.0+cu130", call=call)
+        assert "type: StateError" in out
+        assert "install() has not been called" in out
 
 
 @needs_library

@@ -1,7 +1,9 @@
 // The PyTorch allocator's torch-free parts (python/cudamem/_torch), with no GPU and no PyTorch:
 // graph pools (chunks kept for one owner, same-stream reuse, blocks placed again at their
 // addresses for a checkpoint), a snapshot's layout (segments tiled by blocks and gaps),
-// PyTorch's statistics as cudamem keeps them, and the history ring.
+// PyTorch's statistics as cudamem keeps them, the history ring, and the timer of the
+// allocator's own calls.
+#include <call_timer.hpp>
 #include <graph_pool.hpp>
 #include <snapshot_layout.hpp>
 #include <stats.hpp>
@@ -9,8 +11,11 @@
 
 #include <catch2/catch.hpp>
 
+#include <chrono>
 #include <cstdint>
 #include <map>
+#include <stdexcept>
+#include <thread>
 #include <vector>
 
 using namespace cudamem::torch_bridge;
@@ -283,4 +288,33 @@ TEST_CASE("history: a ring of the last N events, oldest first") {
   CHECK(ring.capacity() == 1);
   ring.clear();
   CHECK(ring.entries().empty());
+}
+
+TEST_CASE("call timer: counts a scope only while timing is on, a throwing one too") {
+  std::atomic<bool> on{false};
+  timed_calls calls;
+  { const call_timer t(on, calls); }
+  CHECK(calls.calls == 0);  // off: nothing counted
+  CHECK(calls.ns == 0);
+  on = true;
+  {
+    const call_timer t(on, calls);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  CHECK(calls.calls == 1);
+  CHECK(calls.ns >= 2'000'000);  // the scope's time, at least what it slept
+  CHECK_THROWS_AS(
+      [&] {
+        const call_timer t(on, calls);
+        throw std::runtime_error("out of memory");
+      }(),
+      std::runtime_error);
+  CHECK(calls.calls == 2);
+  {
+    const call_timer t(on, calls);
+    on = false;  // turned off meanwhile: the call that began on is still counted
+  }
+  CHECK(calls.calls == 3);
+  { const call_timer t(on, calls); }
+  CHECK(calls.calls == 3);
 }

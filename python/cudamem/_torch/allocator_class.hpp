@@ -10,6 +10,7 @@
 // methods' bodies are in the parts named beside each group.
 #pragma once
 
+#include "call_timer.hpp"
 #include "capture_order.hpp"
 #include "chunk_sources.hpp"
 #include "graph_pool.hpp"
@@ -18,7 +19,9 @@
 #include "torch_interface.hpp"
 #include "trace_ring.hpp"
 
+#include <array>
 #include <atomic>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
@@ -196,6 +199,15 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
     const std::lock_guard lock(mutex_);
     return last_oom_report_;
   }
+  /// Counting the host time of each malloc and free (call_timer.hpp) from now on, or not.
+  void time_calls(bool on) noexcept { time_calls_.store(on, std::memory_order_relaxed); }
+  /// {allocations, their ns, frees, their ns}, counted while time_calls was on.
+  [[nodiscard]] std::array<std::uint64_t, 4> call_times() const noexcept {
+    return {malloc_times_.calls.load(std::memory_order_relaxed),
+            malloc_times_.ns.load(std::memory_order_relaxed),
+            free_times_.calls.load(std::memory_order_relaxed),
+            free_times_.ns.load(std::memory_order_relaxed)};
+  }
 
  private:
   struct block {
@@ -285,6 +297,20 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
 
   // --- allocation (allocator_malloc.hpp) ---------------------------------------------------
   void* malloc(DeviceIndex device, std::size_t n, cudaStream_t stream);
+  void* hand_out(std::unique_lock<std::mutex>& lock, void* p, std::size_t block_size,
+                 std::size_t n, DeviceIndex device, cudaStream_t stream, MempoolId_t pool,
+                 std::shared_ptr<c10::GatheredContext> context,
+                 const std::vector<std::vector<span>>* segments_before);
+  /// Under the lock, after pending_, captures_ or a memory fraction changed: whether malloc
+  /// may allocate before it takes the lock (plain_malloc_).
+  void refresh_plain_malloc() noexcept {
+    bool fraction = false;
+    for (const device_state& d : devices_) {
+      fraction = fraction || d.allowed.has_value();
+    }
+    plain_malloc_.store(pending_.empty() && captures_.empty() && !fraction,
+                        std::memory_order_release);
+  }
   void* uncached_malloc(std::size_t n, DeviceIndex device);
   block& remember(void* p, block b);
   void forget(std::unordered_map<void*, block>::iterator it);
@@ -353,6 +379,15 @@ class cudamem_torch_allocator final : public cca::CUDAAllocator {
   bool initialized_ = false;
   std::atomic<bool> enabled_{true};
   std::vector<device_state> devices_;
+  /// devices_.size() once init() has sized it, read by malloc before it takes the lock.
+  std::atomic<DeviceIndex> known_devices_{0};
+  /// No free waits for a stream, no capture routes requests, no fraction is set: malloc's
+  /// common case, which allocates first and takes the lock once (refresh_plain_malloc).
+  std::atomic<bool> plain_malloc_{false};
+  // The host time of malloc and free, counted when asked (cudamem.torch.time_calls).
+  std::atomic<bool> time_calls_{false};
+  cudamem::torch_bridge::timed_calls malloc_times_;
+  cudamem::torch_bridge::timed_calls free_times_;
   std::unordered_map<void*, block> live_;
   /// Nodes of live_ whose blocks were freed, for the next allocations (remember / forget):
   /// an allocation and a free then cost no host allocation of their own.

@@ -37,6 +37,7 @@ void cudamem_torch_allocator::free(void* ptr) {
   if (ptr == nullptr) {
     return;
   }
+  const cudamem::torch_bridge::call_timer timed(time_calls_, free_times_);
   std::shared_ptr<c10::GatheredContext> context = maybe_gather(hist::RecordContext::ALL);
   std::unique_lock lock(mutex_);
   const auto it = live_.find(ptr);
@@ -85,6 +86,7 @@ void cudamem_torch_allocator::free(void* ptr) {
   if (b.has_uses()) {
     wait_for_uses(b);
     pending_.push_back(ptr);
+    refresh_plain_malloc();
     return;
   }
   block done = std::move(b);
@@ -147,6 +149,7 @@ void cudamem_torch_allocator::finish_pending_frees(std::unique_lock<std::mutex>&
     (done ? ready : still).push_back(p);
   }
   pending_ = std::move(still);
+  refresh_plain_malloc();
   for (void* p : ready) {
     auto it = live_.find(p);
     if (it == live_.end()) {
@@ -238,6 +241,7 @@ void cudamem_torch_allocator::finish_deferred(std::unique_lock<std::mutex>& lock
     wait_for_uses(b);
     pending_.push_back(p);
   }
+  refresh_plain_malloc();
 }
 
 

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 
 namespace {
 
@@ -131,6 +132,7 @@ cudamem_torch_allocator::block* cudamem_torch_allocator::find_containing(const v
 // --- a request ----------------------------------------------------------------------------
 
 void* cudamem_torch_allocator::malloc(DeviceIndex device, std::size_t n, cudaStream_t stream) {
+  const cudamem::torch_bridge::call_timer timed(time_calls_, malloc_times_);
   TORCH_CHECK_WITH(OutOfMemoryError, n < (std::size_t{1} << 60),
                    "CUDA out of memory. Tried to allocate more than 1EB memory.");
   if (n == 0) {
@@ -145,6 +147,28 @@ void* cudamem_torch_allocator::malloc(DeviceIndex device, std::size_t n, cudaStr
   std::vector<std::vector<span>> segments_before =
       watch_segments ? all_segments() : std::vector<std::vector<span>>{};
 
+  // The common case takes the lock once, after the allocation: no free waits for a stream,
+  // no capture or MemPool routes requests, no memory fraction is set (plain_malloc_, kept by
+  // refresh_plain_malloc() wherever one of those changes). A capture begun meanwhile on
+  // another thread orders after this request, as if it had begun a moment later.
+  bool refused = false;  // tried here and the device had no room: the path below goes on
+  std::string cause;
+  if (plain_malloc_.load(std::memory_order_acquire) && device >= 0 &&
+      device < known_devices_.load(std::memory_order_acquire)) {
+    void* p = nullptr;
+    const cudamem_status s = cudamem_allocate(process_allocator, size, device, stream, &p);
+    if (s == CUDAMEM_OK) {
+      std::unique_lock lock(mutex_);
+      return hand_out(lock, p, size, n, device, stream, default_pool, std::move(context),
+                      watch_segments ? &segments_before : nullptr);
+    }
+    if (s != CUDAMEM_ERROR_OUT_OF_MEMORY) {
+      check_status(s, "allocation");
+    }
+    refused = true;
+    cause = last_error();
+  }
+
   std::unique_lock lock(mutex_);
   check_device(device);
   if (!pending_.empty() && captures_.empty()) {
@@ -157,13 +181,14 @@ void* cudamem_torch_allocator::malloc(DeviceIndex device, std::size_t n, cudaStr
   }
   void* p = nullptr;
   std::size_t block_size = size;
-  std::string cause;
   bool past_fraction = false;  // refused by the memory fraction, before any device allocation
   for (int attempt = 0;; ++attempt) {
     const std::optional<std::size_t> room = room_under_fraction(device);
     if (pool == default_pool && room && size > *room) {
       cause = fraction_cause(device, size);  // as a failed allocation: the pools may lend
       past_fraction = true;
+    } else if (pool == default_pool && std::exchange(refused, false)) {
+      // Refused above a moment ago, with the same cause: free what can be freed first.
     } else if (pool == default_pool) {
       lock.unlock();
       const cudamem_status s = cudamem_allocate(process_allocator, size, device, stream, &p);
@@ -226,6 +251,20 @@ void* cudamem_torch_allocator::malloc(DeviceIndex device, std::size_t n, cudaStr
   if (pool != default_pool) {
     ++pools_.at(pool).live_blocks;
   }
+  return hand_out(lock, p, block_size, n, device, stream, pool, std::move(context),
+                  watch_segments ? &segments_before : nullptr);
+}
+
+/// The allocation's record, figures and trace (under `lock`, which it lets go), then what
+/// PyTorch's profiler and GPU trace are told; returns `p`. `segments_before`: the segments
+/// before the request, when the history watches them (else null).
+void* cudamem_torch_allocator::hand_out(std::unique_lock<std::mutex>& lock, void* p,
+                                        std::size_t block_size, std::size_t n,
+                                        DeviceIndex device, cudaStream_t stream,
+                                        MempoolId_t pool,
+                                        std::shared_ptr<c10::GatheredContext> context,
+                                        const std::vector<std::vector<span>>* segments_before) {
+  device_state& d = devices_[device];
   d.figures.on_allocate(block_size, n);
   block& b = remember(p, block{p, block_size, n, device, stream, pool, std::move(context)});
   record_trace(hist::TraceEntry::ALLOC, device, reinterpret_cast<std::uintptr_t>(p), n, stream,
@@ -233,8 +272,8 @@ void* cudamem_torch_allocator::malloc(DeviceIndex device, std::size_t n, cudaStr
   const std::size_t allocated = static_cast<std::size_t>(d.figures.allocated_bytes[0].current);
   const std::size_t reserved = d.last_reserved;
   lock.unlock();
-  if (watch_segments) {
-    note_segment_changes(segments_before, stream, nullptr);
+  if (segments_before != nullptr) {
+    note_segment_changes(*segments_before, stream, nullptr);
   }
   c10::reportMemoryUsageToProfiler(p, static_cast<std::int64_t>(block_size), allocated, reserved,
                                    c10::Device(c10::DeviceType::CUDA, device));

@@ -62,6 +62,7 @@ void cudamem_torch_allocator::beginAllocateToPool(DeviceIndex device, MempoolId_
   pool_state& p = pool_for(device, id, nullptr);
   ++p.use_count;
   captures_.push_back({device, id, std::move(filter)});
+  refresh_plain_malloc();
 }
 
 void cudamem_torch_allocator::endAllocateToPool(DeviceIndex device, MempoolId_t id) {
@@ -71,6 +72,7 @@ void cudamem_torch_allocator::endAllocateToPool(DeviceIndex device, MempoolId_t 
   });
   TORCH_CHECK(it != captures_.end(), "endAllocatePool: not currently recording to mempool_id");
   captures_.erase(it);
+  refresh_plain_malloc();
   if (captures_.empty()) {
     finish_deferred(lock);  // frees that had to wait for the capture to end
   }
@@ -263,6 +265,7 @@ cca::CheckpointDelta cudamem_torch_allocator::setCheckpointPoolState(
   pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
                                 [&](void* p) { return live_.count(p) == 0; }),
                  pending_.end());
+  refresh_plain_malloc();
   deferred_.erase(std::remove_if(deferred_.begin(), deferred_.end(),
                                  [&](void* p) { return live_.count(p) == 0; }),
                   deferred_.end());

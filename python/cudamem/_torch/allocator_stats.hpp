@@ -148,6 +148,8 @@ void cudamem_torch_allocator::init(int device_count) {
       devices_[d].allowed = static_cast<std::size_t>(fraction * device_total(d));
     }
   }
+  known_devices_.store(static_cast<DeviceIndex>(devices_.size()), std::memory_order_release);
+  refresh_plain_malloc();
 }
 
 double cudamem_torch_allocator::getMemoryFraction(DeviceIndex device) {
@@ -168,6 +170,7 @@ void cudamem_torch_allocator::setMemoryFraction(double fraction, DeviceIndex dev
   devices_[device].allowed =
       fraction < 1.0 ? std::optional<std::size_t>(static_cast<std::size_t>(fraction * total))
                      : std::nullopt;
+  refresh_plain_malloc();
 }
 
 #if CUDAMEM_TORCH_AT_LEAST(2, 10)

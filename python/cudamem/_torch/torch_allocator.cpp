@@ -22,8 +22,8 @@
 //   allocator_history.hpp  _record_memory_history: events, stacks, annotations
 //   allocator_snapshot.hpp memory_snapshot(): cudamem's memory as PyTorch's segments and blocks
 //   allocator_ipc.hpp      peer access, copies between GPUs, tensors sent to other processes
-// and PyTorch-free parts tested alone (tests/host/test_torch_bridge.cpp): capture_order.hpp,
-// graph_pool.hpp, snapshot_layout.hpp, stats.hpp, trace_ring.hpp.
+// and PyTorch-free parts tested alone (tests/host/test_torch_bridge.cpp): call_timer.hpp,
+// capture_order.hpp, graph_pool.hpp, snapshot_layout.hpp, stats.hpp, trace_ring.hpp.
 //
 // What differs between releases (each guard is CUDAMEM_TORCH_AT_LEAST(major, minor), from
 // PyTorch's own version header; a release newer than 2.15 takes the newest path):
@@ -68,6 +68,9 @@
 #include "allocator_snapshot.hpp"
 #include "allocator_ipc.hpp"
 
+#include <algorithm>
+#include <array>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -126,4 +129,23 @@ extern "C" __attribute__((visibility("default"))) std::size_t cudamem_torch_allo
   } catch (...) {
     return 0;
   }
+}
+
+extern "C" __attribute__((visibility("default"))) int cudamem_torch_allocator_time_calls(int on) {
+  if (the_allocator == nullptr) {
+    return 1;
+  }
+  the_allocator->time_calls(on != 0);
+  return 0;
+}
+
+/// out[4]: allocations, their host ns, frees, their host ns (time_calls). 1: not installed.
+extern "C" __attribute__((visibility("default"))) int cudamem_torch_allocator_call_times(
+    std::uint64_t* out) {
+  if (the_allocator == nullptr || out == nullptr) {
+    return 1;
+  }
+  const std::array<std::uint64_t, 4> times = the_allocator->call_times();
+  std::copy(times.begin(), times.end(), out);
+  return 0;
 }
