@@ -112,8 +112,9 @@ started = time.time()
 time.sleep(1.0)
 print("RESULT speed %s %.3f steps/s at batch 2, windows 1 2" % (
     os.environ["CUDAMEM_BENCH_ALLOCATOR"], 10.0 + int(os.environ["CUDA_VISIBLE_DEVICES"])))
-print("NOTE placed gpu=%s cpus=%s started=%.3f" % (
-    os.environ["CUDA_VISIBLE_DEVICES"], sorted(os.sched_getaffinity(0)), started))
+print("NOTE placed gpu=%s cpus=%s started=%.3f time_calls=%s" % (
+    os.environ["CUDA_VISIBLE_DEVICES"], sorted(os.sched_getaffinity(0)), started,
+    "--time-calls" in sys.argv))
 '''
 
 
@@ -124,7 +125,7 @@ def test_side_by_side_children_run_together_where_placed(run_all, tmp_path, monk
     cpu = str(min(os.sched_getaffinity(0)))
 
     class Args:
-        speed_passes, speed_window, profile_steps = 2, 50, 0
+        speed_passes, speed_window, profile_steps, speed_time_calls = 2, 50, 0, True
     placement = run_all.side_by_side_plan(["default", "cudamem"], ["0", "1"],
                                           {"0": cpu, "1": cpu}, 2)
     rows = run_all.speed_row(["default", "cudamem"], 2, 8, Args, placement)
@@ -132,6 +133,7 @@ def test_side_by_side_children_run_together_where_placed(run_all, tmp_path, monk
     placed = [line.split()[1:] for line in out.splitlines() if "placed" in line]
     assert len(placed) == 4
     assert all(p[1] == "cpus=[%s]" % cpu for p in placed)
+    assert all(p[3] == "time_calls=True" for p in placed)  # --speed-time-calls reaches them
     # Pass 1: default on GPU 0 (10 steps/s), cudamem on GPU 1 (11); pass 2 swapped.
     by_name = {name: row for name, row, _ in rows}
     ratio = next(row for name, row in by_name.items() if "over the default" in name)
