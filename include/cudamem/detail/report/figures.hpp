@@ -227,7 +227,8 @@ namespace detail {
 /// How every out-of-memory text opens, with or without the whole report: "cudamem: out of
 /// memory: could not allocate 2.00 GiB (alignment 512) on device 0. <cause>."
 [[nodiscard]] inline std::string request_sentences(const memory_report& r) {
-  std::string text = "cudamem: out of memory: could not allocate " + format_bytes(r.requested_bytes);
+  std::string text =
+      "cudamem: out of memory: could not allocate " + format_bytes(r.requested_bytes);
   if (r.alignment != 0) {
     text += " (alignment " + std::to_string(r.alignment) + ")";
   }
