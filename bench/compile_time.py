@@ -6,6 +6,7 @@ only cuda_runtime.h, measured in the same run. Needs no GPU.
     python3 bench/compile_time.py --headers        # and every public header alone
     python3 bench/compile_time.py --rmm DIR        # and RMM's comparable set (DIR: RMM's include/)
     python3 bench/compile_time.py --runs 9 --json out.json
+    python3 bench/compile_time.py --phases         # and where nvcc spends each unit's time
 
 Each unit is a small program: a kernel and a main() that use what the unit includes (a
 device_buffer over the current resource, a pool, ...), compiled alone with `nvcc -std=c++20
@@ -34,6 +35,14 @@ The units:
   rmm                 with --rmm: RMM's device_buffer, device_uvector, pool_memory_resource,
                       cuda_memory_resource and cuda_stream, the comparable set
   <header>            with --headers: each public header alone (include + the baseline body)
+
+--phases adds a table of where nvcc's time goes, from `nvcc -time` (wall milliseconds per
+phase, medians over the runs): preprocessing (twice: the host's and the device's view of the
+file), cudafe++ (the front end that parses the whole file and splits host from device code),
+cicc (the device compiler, which parses the whole file again, host code included), the host
+compiler (g++ on cudafe++'s output: where inline code that is used gets compiled), and the
+rest (ptxas, fatbinary, the driver). A header's host-only code costs all three of cudafe++,
+cicc and the host compiler; only what a unit uses costs the host compiler's code generation.
 
 RMM's headers: RMM 24.12's are in its PyPI wheel, with the fmt, spdlog and CCCL they need:
 `pip download --no-deps librmm-cu12==24.12.1 && unzip -q librmm_cu12-*.whl -d rmm`, then
@@ -148,6 +157,36 @@ def source(unit, language):
     return "\n".join(lines)
 
 
+# nvcc -time's phases, grouped: (group, test on the phase's name).
+PHASE_GROUPS = (
+    ("preprocessing", lambda name: "preprocessing" in name),
+    ("cudafe++", lambda name: name == "cudafe++"),
+    ("cicc", lambda name: name == "cicc"),
+    ("host compiler", lambda name: "(compiling)" in name),
+)
+OTHER_PHASES = "rest"
+
+
+def nvcc_phases(csv_text):
+    """Milliseconds per phase group (PHASE_GROUPS, then OTHER_PHASES) from the CSV that
+    `nvcc -time FILE` writes: a header line, then one line per phase whose 2nd field is the
+    phase's name and 7th its time, in the unit of the 8th (ms). Raises ValueError for a line
+    it cannot read, or a file with no phase."""
+    groups = {g: 0.0 for g, _ in PHASE_GROUPS}
+    groups[OTHER_PHASES] = 0.0
+    rows = [line for line in csv_text.splitlines() if line.strip()]
+    if len(rows) < 2:
+        raise ValueError("nvcc -time wrote no phase")
+    for line in rows[1:]:
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) < 8 or fields[7] != "ms":
+            raise ValueError("not a line of nvcc -time's CSV: %r" % line)
+        name, ms = fields[1], float(fields[6])
+        group = next((g for g, test in PHASE_GROUPS if test(name)), OTHER_PHASES)
+        groups[group] += ms
+    return groups
+
+
 def cuda_home():
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     return os.path.dirname(os.path.dirname(os.path.realpath(nvcc)))
@@ -214,6 +253,8 @@ def main():
     parser.add_argument("--nvcc", default=shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc")
     parser.add_argument("--cxx", default=shutil.which("g++") or "g++")
     parser.add_argument("--json", metavar="FILE", help="write every measurement to FILE")
+    parser.add_argument("--phases", action="store_true",
+                        help="also where nvcc's time goes in each unit (nvcc -time)")
     args = parser.parse_args()
     if args.runs < 1 or args.header_runs < 1:
         parser.error("--runs and --header-runs must be at least 1")
@@ -222,6 +263,8 @@ def main():
         if name not in ("nvcc", "g++"):
             parser.error("--compilers takes nvcc and g++, not %r" % name)
         languages.append("cu" if name == "nvcc" else "cpp")
+    if args.phases and "cu" not in languages:
+        parser.error("--phases needs nvcc among --compilers")
     if "cu" in languages and not os.path.exists(args.nvcc):
         sys.exit("compile_time.py: nvcc not found (install the CUDA Toolkit, or pass --nvcc)")
     if "cpp" in languages and not shutil.which(args.cxx):
@@ -260,6 +303,7 @@ def main():
 
     work = tempfile.mkdtemp(prefix="cudamem-compile-time-")
     samples = {}  # (unit, language) -> [(cpu, wall)]
+    phases = {}  # unit -> [nvcc_phases of each run]
     lines = {}
     try:
         def measure(table, runs):
@@ -273,8 +317,18 @@ def main():
                         with open(src, "w") as f:
                             f.write(text)
                         obj = os.path.join(work, "unit.o")
-                        cpu, wall = cpu_seconds(commands(args, language, src, obj, extra[name]))
+                        command = commands(args, language, src, obj, extra[name])
+                        timing = os.path.join(work, "phases.csv")
+                        timed = args.phases and language == "cu"
+                        if timed:
+                            if os.path.exists(timing):
+                                os.remove(timing)  # nvcc appends to it
+                            command += ["-time", timing]
+                        cpu, wall = cpu_seconds(command)
                         samples.setdefault((name, language), []).append((cpu, wall))
+                        if timed:
+                            with open(timing) as f:
+                                phases.setdefault(name, []).append(nvcc_phases(f.read()))
                         if run == 0 and language == "cpp" and name not in lines:
                             lines[name] = preprocessed_lines(args, src, extra[name])
                 print("run %d of %d done" % (run + 1, runs), file=sys.stderr, flush=True)
@@ -308,13 +362,23 @@ def main():
         rmm = statistics.median(c for c, _ in samples[("rmm", "cu")])
         umbrella = statistics.median(c for c, _ in samples[("umbrella", "cu")])
         print("\numbrella / rmm under nvcc: %.2f" % (umbrella / rmm))
+    if phases:
+        groups = [g for g, _ in PHASE_GROUPS] + [OTHER_PHASES]
+        print("\n| unit, nvcc -time (wall s, medians) | " + " | ".join(groups) + " |")
+        print("|---" * (len(groups) + 1) + "|")
+        for name in list(units) + list(header_units):
+            if name in phases:
+                print("| %s | " % name + " | ".join(
+                    "%.2f" % (statistics.median(run[g] for run in phases[name]) / 1000.0)
+                    for g in groups) + " |")
     for note in notes:
         print("note: " + note)
     print("medians of %d runs (%d for headers alone); %s; nvcc %s; %s" % (
         args.runs, args.header_runs, os.uname().nodename, args.nvcc, args.cxx))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"%s|%s" % k: v for k, v in samples.items()} | {"lines": lines}, f, indent=1)
+            json.dump({"%s|%s" % k: v for k, v in samples.items()} | {"lines": lines}
+                      | ({"phases": phases} if phases else {}), f, indent=1)
 
 
 if __name__ == "__main__":

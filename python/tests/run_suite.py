@@ -73,6 +73,7 @@ def main():
         # (test_examples.py's programs need a GPU: the gpu suite runs them; here, only the check
         # that every example is covered.)
         return pytest(["test_native.py", "test_build_backend.py", "test_bench_placement.py",
+                       "test_bench_compile_time.py",
                        "test_torch_settings.py", "test_torch_releases.py",
                        "test_examples.py::test_every_example_is_covered", "test_numba_host.py"],
                       env)
