@@ -30,6 +30,10 @@ The units:
                       memory_resource& made elsewhere (a library's file)
   pool                stream, device_resource, pool_resource, device_buffer
   vm_pool             stream, vm_pool_resource, device_buffer
+  pool (compiled), vm_pool (compiled)
+                      the same files in compiled mode (-DCUDAMEM_COMPILED, as linking
+                      cudamem::compiled sets it; detail/compiled.hpp): the pool's and the
+                      vm_pool's code is compiled once, in the library, not in the file
   umbrella            cudamem/cudamem.hpp, used as the quick start does
   thrust + cub        thrust's device_vector and sort, cub.cuh (nvcc only): for scale
   rmm                 with --rmm: RMM's device_buffer, device_uvector, pool_memory_resource,
@@ -110,6 +114,10 @@ UNITS = {
         "thrust::device_vector<float> v(1024);\n  thrust::sort(v.begin(), v.end());\n"
         "  scale<<<4, 256>>>(thrust::raw_pointer_cast(v.data()), v.size());"),
 }
+
+# Units measured again in compiled mode: name -> the header-only unit they repeat.
+COMPILED_UNITS = {"pool (compiled)": "pool", "vm_pool (compiled)": "vm_pool"}
+COMPILED_FLAGS = ["-DCUDAMEM_COMPILED"]
 
 RMM_UNIT = (
     ["rmm/cuda_stream.hpp", "rmm/device_buffer.hpp", "rmm/device_uvector.hpp",
@@ -271,8 +279,10 @@ def main():
         sys.exit("compile_time.py: %s not found (pass --cxx)" % args.cxx)
 
     units = dict(UNITS)
+    for name, base in COMPILED_UNITS.items():  # beside the unit they repeat
+        units[name] = UNITS[base]
     notes = []
-    extra = {name: [] for name in units}
+    extra = {name: (COMPILED_FLAGS if name in COMPILED_UNITS else []) for name in units}
     if args.rmm:
         if not os.path.isfile(os.path.join(args.rmm, "rmm", "device_buffer.hpp")):
             sys.exit("compile_time.py: %s has no rmm/device_buffer.hpp" % args.rmm)

@@ -113,28 +113,19 @@
 //   still holds: the cudaMalloc'd chunks and large blocks together stay within it (a
 //   limiting_adaptor between the pool and cudaMalloc; verdict `budget`, as without the tool).
 //   CUDAMEM_VM_UNDER_SANITIZER=vmm keeps virtual memory under the tool, unchecked.
+// Code: this header declares the class; detail/vm/pool_core.hpp is its state and its code, and
+// is included at the end unless the program links cudamem::compiled (detail/compiled.hpp).
 #pragma once
 
-#include <cudamem/detail/nvtx.hpp>
-#include <cudamem/detail/sync/atomic.hpp>
-#include <cudamem/detail/vm/driver_mapping.hpp>
-#include <cudamem/detail/vm/large_blocks.hpp>
-#include <cudamem/detail/vm/pool_options.hpp>
-#include <cudamem/detail/vm/pool_sources.hpp>
-#include <cudamem/device.hpp>
-#include <cudamem/device_resource.hpp>
+#include <cudamem/detail/compiled.hpp>
+#include <cudamem/detail/vm/pool_options.hpp>  // vm_pool_options, vm_pool_stats
 #include <cudamem/memory_resource.hpp>
-#include <cudamem/out_of_memory.hpp>
 #include <cudamem/pool_resource.hpp>
-#include <cudamem/vm_resource.hpp>
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <source_location>
-#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -142,296 +133,102 @@
 
 namespace cudamem {
 
+class vm_resource;
+
+namespace detail {
+class vm_mapping_layer;
+class vm_pool_core;
+}  // namespace detail
+
 /// A pool_resource over a vm_resource; see the contract above.
 class vm_pool_resource final : public memory_resource {
  public:
   /// A pool on `device` (the current device by default).
   explicit vm_pool_resource(int device = -1, vm_pool_options options = {},
-                            std::source_location where = std::source_location::current())
-      : vm_pool_resource(detail::driver_vm_mapping::for_resource(device, options, where),
-                         options.bulk_handle_bytes != 0 && !options.physical_limit
-                             ? detail::driver_vm_mapping::for_resource(device, options, where)
-                             : nullptr,
-                         options) {}
+                            std::source_location where = std::source_location::current());
 
   /// A pool over any mapping layer (tests: detail::simulated_vm_mapping).
   explicit vm_pool_resource(std::unique_ptr<detail::vm_mapping_layer> layer,
-                            vm_pool_options options = {})
-      : vm_pool_resource(std::move(layer), nullptr, std::move(options)) {}
+                            vm_pool_options options = {});
 
   /// The same, with a second layer for the bulk blocks' vm_resource (bulk_handle_bytes; tests
   /// give two simulated layers one device: simulated_vm_options::physical).
   vm_pool_resource(std::unique_ptr<detail::vm_mapping_layer> layer,
-                   std::unique_ptr<detail::vm_mapping_layer> bulk_layer, vm_pool_options options)
-      : memory_resource(memory_kind::device, layer ? layer->device() : -1),
-        vm_(std::move(layer), static_cast<const vm_resource_options&>(options)),
-        adaptor_(detail::make_pool_adaptor(vm_, options.upstream_adaptor)),
-        plain_(detail::plain_memory_under_sanitizer(vm_, adaptor_ != nullptr,
-                                                    options.physical_limit)),
-        source_(adaptor_  ? adaptor_.get()
-                : plain_  ? &plain_->source()
-                          : static_cast<memory_resource*>(&vm_)),
-        bulk_(detail::make_bulk_vm(vm_, std::move(bulk_layer), options.bulk_handle_bytes,
-                                   source_ != &vm_)),
-        pool_(*source_, options.pool),
-        large_(vm_.handle_bytes()),
-        large_blocks_(*source_, vm_, bulk_.get()) {}
+                   std::unique_ptr<detail::vm_mapping_layer> bulk_layer, vm_pool_options options);
 
   vm_pool_resource(const vm_pool_resource&) = delete;
   vm_pool_resource& operator=(const vm_pool_resource&) = delete;
-  ~vm_pool_resource() override = default;  // the pool goes first, then the adaptor, the upstream
+  ~vm_pool_resource() override;  // the pool goes first, then the adaptor, the upstream
 
   /// Gives the pool's wholly free chunks back to the upstream, then the upstream's wholly free
   /// handles back to the driver; returns the physical bytes given back.
-  std::size_t release() {
-    pool_.release();
-    return vm_.release() + (bulk_ ? bulk_->release() : 0);
-  }
+  std::size_t release();
 
   /// Gives back what the upstream holds ahead of need (vm_resource::trim: memory made ahead
   /// and not used, vm_stats().held_ahead_bytes); returns the bytes. Another resource of the
   /// process short of device memory has this done before it fails.
-  std::size_t trim() { return vm_.trim() + (bulk_ ? bulk_->trim() : 0); }
+  std::size_t trim();
 
   /// The upstream's virtual-memory figures and the pool's blocks (walks lists: not for hot loops).
-  [[nodiscard]] vm_pool_stats vm_stats() const {
-    vm_pool_stats s;
-    static_cast<vm_resource_stats&>(s) = vm_.vm_stats();
-    if (bulk_) {
-      s.bulk = bulk_->vm_stats();
-    }
-    s.large_used_bytes = large_blocks_.used_bytes();
-    s.large_peak_bytes = large_blocks_.peak_bytes();
-    s.bulk_declined = bulk_declined_.load(detail::memory_order_relaxed);
-    const resource_stats p = pool_.stats();
-    s.pool_used_bytes = p.used_bytes;
-    s.pool_free_bytes = p.free_bytes();
-    s.pool_largest_free_block = p.largest_free_block.value_or(0);
-    s.pool_chunks = pool_.chunk_count();
-    return s;
-  }
+  [[nodiscard]] vm_pool_stats vm_stats() const;
 
   /// What it holds from the device now, by address, as (start, bytes): the mapped ranges of
   /// virtual memory; under compute-sanitizer (uses_plain_memory()), the cudaMalloc'd chunks
   /// and large blocks. (A memory snapshot's segments.)
-  [[nodiscard]] std::vector<std::pair<std::uintptr_t, std::size_t>> held_ranges() const {
-    std::vector<std::pair<std::uintptr_t, std::size_t>> out;
-    if (plain_ == nullptr) {
-      out = vm_.mapped_ranges();
-      if (bulk_) {
-        const auto bulk = bulk_->mapped_ranges();
-        out.insert(out.end(), bulk.begin(), bulk.end());
-      }
-    } else {
-      out = pool_.chunk_ranges();
-      large_blocks_.append_recorded(out);
-    }
-    std::sort(out.begin(), out.end());
-    return out;
-  }
+  [[nodiscard]] std::vector<std::pair<std::uintptr_t, std::size_t>> held_ranges() const;
 
   /// Gives `device` read-write access to all it holds, now and later (vm_resource::add_peer);
   /// under compute-sanitizer, cudaMalloc'd memory is the peer's once cudaDeviceEnablePeerAccess
   /// has run, and nothing is done here.
-  void add_peer(int device) {
-    if (plain_ == nullptr) {
-      vm_.add_peer(device);
-      if (bulk_) {
-        bulk_->add_peer(device);
-      }
-    }
-  }
+  void add_peer(int device);
 
   /// The pool_resource for blocks smaller than a handle.
-  [[nodiscard]] pool_resource& pool() noexcept { return pool_; }
+  [[nodiscard]] pool_resource& pool() noexcept;
   /// The vm_resource under the pool; blocks of a handle or more come from it (bulk ones aside).
-  [[nodiscard]] vm_resource& upstream_vm() noexcept { return vm_; }
+  [[nodiscard]] vm_resource& upstream_vm() noexcept;
   /// The bulk blocks' vm_resource (bulk_handle_bytes), or nullptr when there is none.
-  [[nodiscard]] vm_resource* bulk_vm() noexcept { return bulk_.get(); }
+  [[nodiscard]] vm_resource* bulk_vm() noexcept;
   /// The vm_resource that has `p` mapped: the bulk one, or upstream_vm() (for export of any
   /// range: vm_resource::handles_covering).
-  [[nodiscard]] vm_resource& upstream_vm_of(const void* p) {
-    const auto address = reinterpret_cast<std::uintptr_t>(p);
-    if (bulk_) {
-      for (const auto& [start, bytes] : bulk_->mapped_ranges()) {
-        if (address >= start && address - start < bytes) {
-          return *bulk_;
-        }
-      }
-    }
-    return vm_;
-  }
+  [[nodiscard]] vm_resource& upstream_vm_of(const void* p);
   /// What options.upstream_adaptor made, or nullptr when it was empty.
-  [[nodiscard]] memory_resource* upstream_adaptor() const noexcept { return adaptor_.get(); }
+  [[nodiscard]] memory_resource* upstream_adaptor() const noexcept;
   /// Whether its memory is plain cudaMalloc'd memory rather than virtual memory: true while
   /// compute-sanitizer is attached (see the contract).
-  [[nodiscard]] bool uses_plain_memory() const noexcept { return plain_ != nullptr; }
+  [[nodiscard]] bool uses_plain_memory() const noexcept;
   /// The mapping layer (tests inspect the simulated one).
-  [[nodiscard]] detail::vm_mapping_layer& mapping_layer() const noexcept {
-    return vm_.mapping_layer();
-  }
+  [[nodiscard]] detail::vm_mapping_layer& mapping_layer() const noexcept;
 
  private:
-  // A failure is reported from here, so the report's chain starts at the resource the caller
-  // used (this, then the upstream) and keeps the cause. The pool's and the upstream's own
-  // failures carry only their cause (detail::discarded_report_scope): one report per failed
-  // request, not one per level (each asks NVML who holds the device).
-  void* do_allocate(std::size_t bytes, std::size_t alignment, stream_view stream) override {
-    if (bytes >= large_) {
-      return allocate_large(bytes, alignment, &stream);
-    }
-    return allocate_small(bytes, alignment, &stream);
-  }
-  void* do_allocate_sync(std::size_t bytes, std::size_t alignment) override {
-    if (bytes >= large_) {
-      return allocate_large(bytes, alignment, nullptr);
-    }
-    return allocate_small(bytes, alignment, nullptr);
-  }
+  void* do_allocate(std::size_t bytes, std::size_t alignment, stream_view stream) override;
+  void* do_allocate_sync(std::size_t bytes, std::size_t alignment) override;
   void do_deallocate(void* p, std::size_t bytes, std::size_t alignment,
-                     stream_view stream) noexcept override {
-    if (bytes < large_) {
-      pool_.deallocate(p, bytes, alignment, stream);
-    } else {
-      large_blocks_.give_back(p, bytes, alignment, &stream);
-    }
-  }
-  void do_deallocate_sync(void* p, std::size_t bytes, std::size_t alignment) noexcept override {
-    if (bytes < large_) {
-      pool_.deallocate(p, bytes, alignment);
-    } else {
-      large_blocks_.give_back(p, bytes, alignment, nullptr);
-    }
-  }
-
-  /// A block from the pool; `stream` null: the synchronous form. If the pool cannot have a
-  /// chunk (it gave back its wholly free ones first), the bulk resource gives back its wholly
-  /// free handles, and the pool asks once more.
-  void* allocate_small(std::size_t bytes, std::size_t alignment, const stream_view* stream) {
-    const auto ask = [&] {
-      const detail::discarded_report_scope discarded{pool_};
-      return stream != nullptr ? allocate_checked(pool_, bytes, alignment, *stream)
-                               : allocate_checked(pool_, bytes, alignment);
-    };
-    try {
-      return detail::ask_upstream(bulk_.get(), ask);
-    } catch (const out_of_memory& first) {
-      if (!bulk_ || bulk_->release() == 0) {
-        throw_out_of_memory(*this, bytes, alignment, first.report().cause);
-      }
-    }
-    try {
-      return detail::ask_upstream(bulk_.get(), ask);
-    } catch (const out_of_memory& e) {
-      throw_out_of_memory(*this, bytes, alignment, e.report().cause);
-    }
-  }
-
-  /// A block of a handle or more; `stream` null: the synchronous form. A whole multiple of
-  /// the bulk handle comes from the bulk resource if it can supply it without growing into
-  /// keep_free, else from the upstream (detail/vm/pool_sources.hpp). If that cannot, the pool
-  /// gives back its wholly free chunks, the bulk resource its wholly free handles, and the
-  /// upstream is asked once more.
-  /// Over its own vm_resource the block is marked as the pool's (detail/vm/large_blocks.hpp).
-  void* allocate_large(std::size_t bytes, std::size_t alignment, const stream_view* stream) {
-    const auto ask = [&](memory_resource& source) {
-      const detail::discarded_report_scope discarded{source};  // reported from here, if at all
-      if (large_blocks_.marked()) {  // `source` is the vm_resource or the bulk one
-        return static_cast<vm_resource&>(source).allocate_marked(
-            bytes, alignment, stream, detail::large_block_ledger::mark);
-      }
-      return stream != nullptr ? allocate_checked(source, bytes, alignment, *stream)
-                               : allocate_checked(source, bytes, alignment);
-    };
-    bool bulk = large_blocks_.bulk_sized(bytes);
-    void* p = nullptr;
-    if (bulk) {
-      try {
-        const detail::no_growth_into_reserve_scope above_reserve;
-        p = ask(*bulk_);
-      } catch (const out_of_memory&) {
-        bulk = false;
-        bulk_declined_.fetch_add(1, detail::memory_order_relaxed);
-      }
-    }
-    if (p == nullptr) {
-      try {
-        p = detail::ask_upstream(bulk_.get(), [&] { return ask(*source_); });
-      } catch (const out_of_memory& first) {
-        if (pool_.release() + (bulk_ ? bulk_->release() : 0) == 0) {
-          throw_out_of_memory(*this, bytes, alignment, "upstream " + first.report().cause);
-        }
-        try {
-          p = detail::ask_upstream(bulk_.get(), [&] { return ask(*source_); });
-        } catch (const out_of_memory& e) {
-          throw_out_of_memory(*this, bytes, alignment, "upstream " + e.report().cause);
-        }
-      }
-    }
-    try {
-      large_blocks_.record(p, bytes, bulk);
-    } catch (...) {  // no host memory to record it: give it back, nothing happened
-      large_blocks_.give_back_unrecorded(p, bytes, alignment, bulk);
-      throw;
-    }
-    return p;
-  }
+                     stream_view stream) noexcept override;
+  void do_deallocate_sync(void* p, std::size_t bytes, std::size_t alignment) noexcept override;
+  // `stream` null: the synchronous forms. Blocks smaller than a handle, from the pool:
+  void* allocate_small(std::size_t bytes, std::size_t alignment, const stream_view* stream);
+  // and a handle or more, from the upstream (or the bulk blocks' vm_resource).
+  void* allocate_large(std::size_t bytes, std::size_t alignment, const stream_view* stream);
 
   bool do_is_equal(const memory_resource& other) const noexcept override { return this == &other; }
   std::string_view do_name() const noexcept override { return "vm_pool_resource"; }
-  resource_stats do_stats() const override {
-    resource_stats s = pool_.stats();
-    s.held_beside = bulk_ ? bulk_->stats().reserved_bytes : 0;  // not under upstream()
-    const std::size_t large_used = large_blocks_.used_bytes();
-    s.reserved_bytes += large_used;
-    s.used_bytes += large_used;
-    s.peak_used_bytes += large_blocks_.peak_bytes();
-    return s;
-  }
-  memory_resource* do_upstream() const noexcept override {
-    return source_;  // the chain a report walks: this, (the adaptor,) the vm_resource
-  }
+  resource_stats do_stats() const override;
+  memory_resource* do_upstream() const noexcept override;
   // Advice on its own failures (memory_report asks): what release() and the options can do.
-  std::string do_oom_hint(const memory_report& report, std::size_t /*position*/) const override {
-    const vm_pool_stats s = vm_stats();
-    if (plain_ != nullptr && plain_->budget && report.verdict == oom_verdict::budget) {
-      return "Under compute-sanitizer this vm_pool_resource takes cudaMalloc'd memory, at most " +
-             format_bytes(plain_->budget->budget()) + " of it (vm_pool_options::physical_limit), "
-             "and holds " + format_bytes(plain_->budget->used_bytes()) + ": raise "
-             "physical_limit, or free blocks before this request.";
-    }
-    const resource_stats& vm = report.chain.back().stats;  // the upstream vm_resource
-    if (report.verdict == oom_verdict::budget && vm.budget &&
-        vm.used_bytes + report.requested_bytes > *vm.budget) {
-      return "This vm_pool_resource may map at most " + format_bytes(*vm.budget) +
-             " (vm_pool_options::" +
-             "physical_limit) and has " + format_bytes(s.mapped_bytes) + " mapped: raise "
-             "physical_limit, or free blocks before this request.";
-    }
-    if (report.verdict != oom_verdict::fragmentation) {
-      return {};
-    }
-    return "This vm_pool_resource has " + format_bytes(s.pool_free_bytes) + " free in its " +
-           std::to_string(s.pool_chunks) + " chunks, in blocks of at most " +
-           format_bytes(s.pool_largest_free_block) + ": before failing it gave its wholly free "
-           "chunks back and recycled their handles into one range, so what stays free shares "
-           "chunks with blocks in use (" + format_bytes(s.stranded_bytes) + " in " +
-           format_bytes(s.handle_bytes) + " handles shared with live blocks). release() "
-           "returns wholly free handles to the driver, for other processes and resources; it "
-           "cannot move live blocks. Smaller handles and chunks pin less beside a live block "
-           "(vm_pool_options::handle_bytes, pool.small_chunk_size, pool.growth_step); or free "
-           "long-lived blocks, or allocate the largest buffers first.";
-  }
+  std::string do_oom_hint(const memory_report& report, std::size_t position) const override;
 
-  vm_resource vm_;
-  std::unique_ptr<memory_resource> adaptor_;  ///< options.upstream_adaptor's, or none
-  std::unique_ptr<detail::plain_memory> plain_;  ///< under compute-sanitizer: cudaMalloc
-  memory_resource* source_;  ///< where chunks and large blocks come from: adaptor_, plain_, vm_
-  std::unique_ptr<vm_resource> bulk_;  ///< bulk blocks' (bulk_handle_bytes), or none
-  pool_resource pool_;
-  std::size_t large_;  ///< blocks of this many bytes or more are the upstream's (a handle)
-  detail::large_block_ledger large_blocks_;  ///< the blocks of `large_` bytes or more
-  detail::atomic<std::size_t> bulk_declined_{0};  ///< vm_pool_stats::bulk_declined
+  detail::vm_pool_core& core() noexcept;
+  const detail::vm_pool_core& core() const noexcept;
+
+  // The state (detail::vm_pool_core: the vm_resource, the pool, the large blocks' ledger, ...)
+  // lives here, in place: no allocation and no pointer to follow on a call. pool_core.hpp
+  // checks that it fits.
+  static constexpr std::size_t core_bytes = 1584;
+  alignas(8) unsigned char core_[core_bytes];
 };
 
 }  // namespace cudamem
+
+#if CUDAMEM_DEFINITIONS_IN_HEADERS
+#include <cudamem/detail/vm/pool_core.hpp>
+#endif

@@ -16,6 +16,7 @@
 #include <cudamem/statistics_adaptor.hpp>
 #include <cudamem/tracking_adaptor.hpp>
 #include <cudamem/vm_pool_resource.hpp>
+#include <cudamem/vm_resource.hpp>
 
 #include "captured_errors.hpp"
 

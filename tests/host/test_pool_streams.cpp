@@ -12,6 +12,7 @@
 #include <cudamem/pool_resource.hpp>
 #include <cudamem/simulated_resource.hpp>
 #include <cudamem/vm_pool_resource.hpp>
+#include <cudamem/vm_resource.hpp>
 
 #include "captured_errors.hpp"
 

@@ -8,6 +8,7 @@
 #include <cudamem/simulated_resource.hpp>
 #include <cudamem/statistics_adaptor.hpp>
 #include <cudamem/vm_pool_resource.hpp>
+#include <cudamem/vm_resource.hpp>
 
 #include "captured_errors.hpp"
 

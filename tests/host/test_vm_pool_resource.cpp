@@ -5,6 +5,7 @@
 #include <cudamem/failing_adaptor.hpp>
 #include <cudamem/statistics_adaptor.hpp>
 #include <cudamem/vm_pool_resource.hpp>
+#include <cudamem/vm_resource.hpp>
 
 #include "../../bench/support/fragmentation.hpp"
 #include "captured_errors.hpp"

@@ -17,6 +17,11 @@
 
 namespace cudamem {
 
+namespace detail {
+/// Every block of a pool_resource is a multiple of this many bytes, and aligned to it.
+inline constexpr std::size_t pool_granule = 256;
+}  // namespace detail
+
 /// Whether a request may take memory freed on another stream before that free is known
 /// complete (pool_options::stream_reuse; see the contract).
 enum class stream_reuse_policy {

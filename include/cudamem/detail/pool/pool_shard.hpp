@@ -48,6 +48,7 @@
 #include <cudamem/detail/nvtx.hpp>
 #include <cudamem/detail/pool/address_map.hpp>
 #include <cudamem/detail/pool/block_cache.hpp>
+#include <cudamem/detail/pool/pool_options.hpp>
 #include <cudamem/detail/pool/stream_events.hpp>
 #include <cudamem/detail/pool/stream_ledger.hpp>
 #include <cudamem/detail/pool/tlsf_heap.hpp>
@@ -89,7 +90,7 @@ enum pool_tier : std::uint32_t { small_tier = 0, large_tier = 1 };
 
 /// What the shards' operations need of the pool's options, fixed at construction.
 struct pool_policy {
-  static constexpr std::size_t granule = 256;
+  static constexpr std::size_t granule = pool_granule;
   std::size_t initial_size = 0;
   std::size_t maximum_size = 0;
   std::size_t growth_step = 0;

@@ -13,7 +13,6 @@
 
 #include <cudamem/detail/vm/mapping.hpp>  // vm_handle
 
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -54,7 +53,8 @@ inline constexpr std::size_t grow_ahead_floor_device_share = 32;
 /// last handles of a cold fill of the whole device are made on the allocating thread, as
 /// without growth ahead (on an 80 GiB H100, 2.5 GiB: 40 handles of 64 MiB, of ~1260).
 [[nodiscard]] constexpr std::size_t default_grow_ahead_floor(std::size_t device_total) noexcept {
-  return std::max(grow_ahead_floor_min_bytes, device_total / grow_ahead_floor_device_share);
+  const std::size_t share = device_total / grow_ahead_floor_device_share;
+  return share > grow_ahead_floor_min_bytes ? share : grow_ahead_floor_min_bytes;
 }
 
 /// recent_frees when left unset.
