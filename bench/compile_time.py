@@ -30,7 +30,7 @@ The units:
                       memory_resource& made elsewhere (a library's file)
   pool                stream, device_resource, pool_resource, device_buffer
   vm_pool             stream, vm_pool_resource, device_buffer
-  pool (compiled), vm_pool (compiled)
+  pool (compiled), vm_pool (compiled), umbrella (compiled)
                       the same files in compiled mode (-DCUDAMEM_COMPILED, as linking
                       cudamem::compiled sets it; detail/compiled.hpp): the pool's and the
                       vm_pool's code is compiled once, in the library, not in the file
@@ -116,7 +116,8 @@ UNITS = {
 }
 
 # Units measured again in compiled mode: name -> the header-only unit they repeat.
-COMPILED_UNITS = {"pool (compiled)": "pool", "vm_pool (compiled)": "vm_pool"}
+COMPILED_UNITS = {"pool (compiled)": "pool", "vm_pool (compiled)": "vm_pool",
+                  "umbrella (compiled)": "umbrella"}
 COMPILED_FLAGS = ["-DCUDAMEM_COMPILED"]
 
 RMM_UNIT = (
@@ -368,10 +369,12 @@ def main():
             row += [text, "%.2f" % ratio if ratio is not None else "—"]
         row.append("{:,}".format(lines[name]) if lines.get(name) else "—")
         print("| " + " | ".join(row) + " |")
-    if "rmm" in units and "umbrella" in units and ("rmm", "cu") in samples:
+    if ("rmm", "cu") in samples:
         rmm = statistics.median(c for c, _ in samples[("rmm", "cu")])
-        umbrella = statistics.median(c for c, _ in samples[("umbrella", "cu")])
-        print("\numbrella / rmm under nvcc: %.2f" % (umbrella / rmm))
+        for name in ("umbrella", "umbrella (compiled)"):
+            if (name, "cu") in samples:
+                umbrella = statistics.median(c for c, _ in samples[(name, "cu")])
+                print("\n%s / rmm under nvcc: %.2f" % (name, umbrella / rmm))
     if phases:
         groups = [g for g, _ in PHASE_GROUPS] + [OTHER_PHASES]
         print("\n| unit, nvcc -time (wall s, medians) | " + " | ".join(groups) + " |")

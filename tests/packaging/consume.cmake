@@ -163,6 +163,7 @@ elseif(MODE STREQUAL "vcpkg")
 
 elseif(MODE STREQUAL "add_subdirectory")
   list(APPEND consumer_args -DCUDAMEM_CONSUME=add_subdirectory -DCUDAMEM_SOURCE_DIR=${SOURCE_DIR})
+  list(APPEND consumers consumer_compiled)  # compiled mode: cudamem is part of the build
 
 elseif(MODE STREQUAL "fetchcontent")
   # A release tarball holds what a consumer needs: no tests, examples or benchmarks, so this
@@ -171,13 +172,14 @@ elseif(MODE STREQUAL "fetchcontent")
   set(staging ${WORK_DIR}/cudamem-${EXPECTED_VERSION})
   file(MAKE_DIRECTORY ${staging})
   file(COPY ${SOURCE_DIR}/CMakeLists.txt ${SOURCE_DIR}/LICENSE ${SOURCE_DIR}/cmake
-       ${SOURCE_DIR}/include DESTINATION ${staging})
+       ${SOURCE_DIR}/include ${SOURCE_DIR}/src DESTINATION ${staging})
   packaging_run(${CMAKE_COMMAND} -E tar czf ${archive} cudamem-${EXPECTED_VERSION}
                 WORKING_DIRECTORY ${WORK_DIR})
   file(REMOVE_RECURSE ${staging})
   file(SHA256 ${archive} archive_sha256)
   list(APPEND consumer_args -DCUDAMEM_CONSUME=fetchcontent -DCUDAMEM_ARCHIVE=${archive}
        -DCUDAMEM_ARCHIVE_SHA256=${archive_sha256})
+  list(APPEND consumers consumer_compiled)
 
 else()
   message(FATAL_ERROR "consume.cmake: unknown MODE '${MODE}'")
