@@ -8,6 +8,7 @@
 // allocation, the contract itself: memory last freed on another stream is handed out only once
 // that free is known complete or the requesting stream waits for it.
 #include <cudamem/detail/pool/host_stream_events.hpp>
+#include <cudamem/detail/pool/stream_ledger.hpp>
 #include <cudamem/detail/vm/simulated_mapping.hpp>
 #include <cudamem/pool_resource.hpp>
 #include <cudamem/simulated_resource.hpp>
