@@ -63,8 +63,11 @@ class pool_core {
   // --- allocate -----------------------------------------------------------------------------
   // `owner`: the pool_resource, named in an out-of-memory report.
 
-  void* allocate(const memory_resource& owner, std::size_t bytes, std::size_t alignment,
-                 const stream_view* stream) {
+  // allocate and free are the bodies of do_allocate and do_deallocate, always_inline so that
+  // no call is added between the virtual call and the fast path: do_allocate tests for a tool
+  // and calls allocate_block; do_deallocate holds free_block and finish_free inline.
+  [[gnu::always_inline]] void* allocate(const memory_resource& owner, std::size_t bytes,
+                                        std::size_t alignment, const stream_view* stream) {
     if (nvtx_compiled && policy.annotates) [[unlikely]] {
       return allocate_annotated(owner, bytes, alignment, stream);
     }
@@ -81,8 +84,8 @@ class pool_core {
   /// `stream` null: the synchronous form (ready for everyone on return). The fast path,
   /// inline: a cache hit whose block is free of pending frees on other streams (the common
   /// case) costs a lock, a pop and a few stores. Everything else is out of line.
-  [[gnu::always_inline]] void* allocate_block(const memory_resource& owner, std::size_t bytes,
-                                              std::size_t alignment, const stream_view* stream) {
+  void* allocate_block(const memory_resource& owner, std::size_t bytes, std::size_t alignment,
+                       const stream_view* stream) {
     const std::size_t padding = alignment > pool_granule ? alignment - pool_granule : 0;
     const std::size_t size = policy.round_up(bytes);
     if (size == 0 || size > options.maximum_size || padding > options.maximum_size - size)
@@ -145,7 +148,7 @@ class pool_core {
 
   // --- deallocate ---------------------------------------------------------------------------
 
-  void free(void* p, std::size_t bytes, const stream_view* stream) noexcept {
+  [[gnu::always_inline]] void free(void* p, std::size_t bytes, const stream_view* stream) noexcept {
     if (nvtx_compiled && policy.annotates) [[unlikely]] {
       return free_annotated(p, bytes, stream);
     }
