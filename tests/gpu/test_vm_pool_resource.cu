@@ -387,7 +387,15 @@ TEST_CASE("vm_pool (GPU): swiss cheese over the whole device reuses >= 0.99 of t
       static_cast<double>(large.size() * 128 * MiB) / static_cast<double>(freed);
   std::printf("vm_pool swiss cheese: %zu x 64 MiB, %zu x 128 MiB, fraction %.4f, %zu compaction(s)\n",
               small.size(), large.size(), fraction, pool.vm_stats().compactions);
-  CHECK(fraction >= 0.99);
+  if (pool.uses_plain_memory()) {
+    // Under compute-sanitizer the blocks are cudaMalloc'd, so the fraction is cudaMalloc's under
+    // the tool, not the vm_pool's: initcheck's own device memory takes part of the freed holes
+    // (0.89 on an H200, CUDA 13.0), where memcheck leaves them whole.
+    WARN("under compute-sanitizer vm_pool takes cudaMalloc memory: fraction not checked, "
+         << fraction);
+  } else {
+    CHECK(fraction >= 0.99);
+  }
   for (void* p : large) {
     check(cudaMemset(p, 1, 128 * MiB));  // really usable
     pool.deallocate(p, 128 * MiB, 256, stream_view{});
