@@ -116,7 +116,8 @@ UNITS = {
 }
 
 # Units measured again in compiled mode: name -> the header-only unit they repeat.
-COMPILED_UNITS = {"pool (compiled)": "pool", "vm_pool (compiled)": "vm_pool",
+COMPILED_UNITS = {"owners (compiled)": "owners (resource given)",
+                  "pool (compiled)": "pool", "vm_pool (compiled)": "vm_pool",
                   "umbrella (compiled)": "umbrella"}
 COMPILED_FLAGS = ["-DCUDAMEM_COMPILED"]
 

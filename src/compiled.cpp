@@ -8,5 +8,8 @@
 // are plain (not inline) definitions, emitted in this file alone.
 #define CUDAMEM_COMPILED_SOURCE
 
+#include <cudamem/device_resource.hpp>
+#include <cudamem/out_of_memory.hpp>
+#include <cudamem/pinned_resource.hpp>
 #include <cudamem/pool_resource.hpp>
 #include <cudamem/vm_pool_resource.hpp>

@@ -32,7 +32,11 @@
 #pragma once
 
 #include <cudamem/detail/cuda/cuda_upstream.hpp>
+#include <cudamem/detail/compiled.hpp>
+#include <cudamem/detail/report/oom_throw.hpp>
+#if CUDAMEM_DEFINITIONS_IN_HEADERS  // in compiled mode the report is the library's
 #include <cudamem/out_of_memory.hpp>
+#endif
 #include <cudamem/memory_resource.hpp>
 
 #include <cuda_runtime_api.h>
@@ -87,22 +91,28 @@ class device_resource final : public memory_resource {
   std::string_view do_name() const noexcept override { return "device_resource"; }
   /// cudaMalloc'd memory: a pool over it may register its chunks as NVTX heaps.
   bool do_allows_nvtx_heaps() const noexcept override { return true; }
-  std::string do_oom_hint(const memory_report& report, std::size_t position) const override {
-    // Only the device's own fragmentation (not a pool's above it) is cudaMalloc's to explain.
-    if (report.verdict != oom_verdict::fragmentation || report.verdict_subject() != position ||
-        !report.device_free) {
-      return {};
-    }
-    return "cudaMalloc could not find " + format_bytes(report.requested_bytes) +
-           " in one piece although the device reports " + format_bytes(*report.device_free) +
-           " free: that memory lies in pieces between other allocations, or part of it is the "
-           "driver's own. Take large buffers first, or through a pool that holds its memory "
-           "from the start (pool_resource with initial_size), or use vm_pool_resource, which "
-           "maps free physical memory behind a fresh range.";
-  }
+  std::string do_oom_hint(const memory_report& report, std::size_t position) const override;
   resource_stats do_stats() const override { return usage_.leaf_stats(); }
 
   detail::usage_counter usage_;
 };
+
+// Reads the report: defined where the report's code is (detail/report/oom_throw.hpp says why).
+#if CUDAMEM_DEFINITIONS_IN_HEADERS
+CUDAMEM_DEFINITION std::string device_resource::do_oom_hint(const memory_report& report,
+                                                          std::size_t position) const {
+  // Only the device's own fragmentation (not a pool's above it) is cudaMalloc's to explain.
+  if (report.verdict != oom_verdict::fragmentation || report.verdict_subject() != position ||
+      !report.device_free) {
+    return {};
+  }
+  return "cudaMalloc could not find " + format_bytes(report.requested_bytes) +
+         " in one piece although the device reports " + format_bytes(*report.device_free) +
+         " free: that memory lies in pieces between other allocations, or part of it is the "
+         "driver's own. Take large buffers first, or through a pool that holds its memory "
+         "from the start (pool_resource with initial_size), or use vm_pool_resource, which "
+         "maps free physical memory behind a fresh range.";
+}
+#endif
 
 }  // namespace cudamem

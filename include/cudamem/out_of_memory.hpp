@@ -35,10 +35,15 @@
 //   and the owner reports from itself if it fails in the end. A failure passed on from below
 //   (rethrow_out_of_memory: adaptors) and every resource further down still build whole
 //   reports, so a retry_adaptor's callback or a log sees what it always saw.
+// - Compiled mode (detail/compiled.hpp): the throwing functions are the library's, and the
+//   resources that call CUDA include only their declarations (detail/report/oom_throw.hpp), so
+//   a file that catches `out_of_memory` includes this header itself.
 #pragma once
 
+#include <cudamem/detail/compiled.hpp>
 #include <cudamem/detail/report/figures.hpp>
 #include <cudamem/detail/report/measure.hpp>
+#include <cudamem/detail/report/oom_throw.hpp>
 #include <cudamem/memory_resource.hpp>
 
 #include <cstddef>
@@ -109,12 +114,19 @@ class discarded_report_scope {
 
 }  // namespace detail
 
+// The throwing functions are declared in detail/report/oom_throw.hpp (with their default
+// arguments). Header-only they are defined here, inline; in compiled mode the
+// cudamem::compiled library defines them (detail/compiled.hpp), and a file that includes this
+// header to catch out_of_memory compiles only the class above.
+#if CUDAMEM_DEFINITIONS_IN_HEADERS
+
 /// Builds the report for a failed request to `resource` and throws it. `cause` is a short
 /// line from the resource that failed ("cudaMalloc returned cudaErrorMemoryAllocation");
 /// `verdict`, when given, replaces the report's own diagnosis.
-[[noreturn]] inline void throw_out_of_memory(const memory_resource& resource, std::size_t bytes,
-                                             std::size_t alignment, std::string cause = {},
-                                             std::optional<oom_verdict> verdict = std::nullopt) {
+[[noreturn]] CUDAMEM_DEFINITION void throw_out_of_memory(const memory_resource& resource,
+                                                         std::size_t bytes, std::size_t alignment,
+                                                         std::string cause,
+                                                         std::optional<oom_verdict> verdict) {
   if (&resource == detail::report_discarded_for) [[unlikely]] {
     throw out_of_memory(
         detail::cause_only_report(resource, bytes, alignment, std::move(cause), verdict));
@@ -126,8 +138,10 @@ class discarded_report_scope {
 /// For a resource passing on the failure of one below it: throws a report that starts at
 /// `resource` (so it shows the whole chain from there) and keeps what `below` knew — its
 /// cause, its verdict, and which resource failed first.
-[[noreturn]] inline void rethrow_out_of_memory(const memory_resource& resource, std::size_t bytes,
-                                               std::size_t alignment, const memory_report& below) {
+[[noreturn]] CUDAMEM_DEFINITION void rethrow_out_of_memory(const memory_resource& resource,
+                                                           std::size_t bytes,
+                                                           std::size_t alignment,
+                                                           const memory_report& below) {
   // The resources from the one that failed down to the leaf are the same in both chains.
   const std::size_t from_leaf = below.chain.empty() ? 0 : below.chain.size() - 1 - below.origin;
   std::size_t depth = 0;
@@ -139,5 +153,7 @@ class discarded_report_scope {
                                              depth >= from_leaf ? depth - from_leaf : 0,
                                              detail::registered_report_completion()));
 }
+
+#endif  // CUDAMEM_DEFINITIONS_IN_HEADERS
 
 }  // namespace cudamem

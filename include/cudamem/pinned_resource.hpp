@@ -27,7 +27,11 @@
 #pragma once
 
 #include <cudamem/detail/cuda/cuda_upstream.hpp>
+#include <cudamem/detail/compiled.hpp>
+#include <cudamem/detail/report/oom_throw.hpp>
+#if CUDAMEM_DEFINITIONS_IN_HEADERS  // in compiled mode the report is the library's
 #include <cudamem/out_of_memory.hpp>
+#endif
 #include <cudamem/memory_resource.hpp>
 
 #include <cuda_runtime_api.h>
@@ -94,21 +98,27 @@ class pinned_resource final : public memory_resource {
     return same != nullptr && same->device() == device() && same->flags_ == flags_;
   }
   std::string_view do_name() const noexcept override { return "pinned_resource"; }
-  std::string do_oom_hint(const memory_report& report, std::size_t position) const override {
-    if (report.verdict != oom_verdict::unknown) {
-      return {};
-    }
-    return "Pinning " + format_bytes(report.requested_bytes) + " of host memory failed (" +
-           format_bytes(report.chain[position].stats.used_bytes) +
-           " pinned through this resource): page-locked memory is bounded by the machine's "
-           "memory and by the locked-memory limit (ulimit -l). Pin once and reuse it (a "
-           "pool_resource over this pinned_resource), pin less, or copy rarely used data "
-           "from pageable memory.";
-  }
+  std::string do_oom_hint(const memory_report& report, std::size_t position) const override;
   resource_stats do_stats() const override { return usage_.leaf_stats(); }
 
   unsigned flags_;
   detail::usage_counter usage_;
 };
+
+// Reads the report: defined where the report's code is (detail/report/oom_throw.hpp says why).
+#if CUDAMEM_DEFINITIONS_IN_HEADERS
+CUDAMEM_DEFINITION std::string pinned_resource::do_oom_hint(const memory_report& report,
+                                                          std::size_t position) const {
+  if (report.verdict != oom_verdict::unknown) {
+    return {};
+  }
+  return "Pinning " + format_bytes(report.requested_bytes) + " of host memory failed (" +
+         format_bytes(report.chain[position].stats.used_bytes) +
+         " pinned through this resource): page-locked memory is bounded by the machine's "
+         "memory and by the locked-memory limit (ulimit -l). Pin once and reuse it (a "
+         "pool_resource over this pinned_resource), pin less, or copy rarely used data "
+         "from pageable memory.";
+}
+#endif
 
 }  // namespace cudamem

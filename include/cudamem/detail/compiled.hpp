@@ -23,6 +23,11 @@
 //   and a header-only unit's inline ones would both exist).
 // - The classes: pool_resource, vm_pool_resource. Each holds its state in place (no extra
 //   allocation or indirection per call); the size is checked where the state is defined.
+// - The out-of-memory report (detail/report/oom_throw.hpp): throw_out_of_memory,
+//   rethrow_out_of_memory, format_bytes, and the advice device_resource and pinned_resource
+//   add to a report. device_resource.hpp and pinned_resource.hpp then no longer bring in
+//   out_of_memory.hpp: a file that catches `out_of_memory` or reads a report includes
+//   <cudamem/out_of_memory.hpp> (or memory_report.hpp) itself.
 // - Behaviour, errors and performance are the same in both modes: the code is the same, only
 //   where it is compiled differs.
 #pragma once

@@ -11,7 +11,11 @@
 #include <cudamem/device.hpp>
 #include <cudamem/error.hpp>
 #include <cudamem/memory_resource.hpp>
+#include <cudamem/detail/compiled.hpp>
+#include <cudamem/detail/report/oom_throw.hpp>
+#if CUDAMEM_DEFINITIONS_IN_HEADERS  // in compiled mode the report is the library's
 #include <cudamem/out_of_memory.hpp>
+#endif
 #include <cudamem/stream.hpp>
 
 #include <cuda_runtime_api.h>

@@ -16,6 +16,7 @@
 // holders from NVML, detail/report/holders.hpp).
 #pragma once
 
+#include <cudamem/detail/report/oom_throw.hpp>
 #include <cudamem/memory_resource.hpp>
 
 #include <cstddef>
@@ -51,8 +52,10 @@ enum class oom_verdict {
   return "unknown";
 }
 
+#if CUDAMEM_DEFINITIONS_IN_HEADERS
 /// "1.50 GiB", "512 B": bytes in the largest binary unit that keeps the number >= 1.
-[[nodiscard]] inline std::string format_bytes(std::size_t bytes) {
+/// (Declared in oom_throw.hpp; in compiled mode defined in the library alone.)
+CUDAMEM_DEFINITION std::string format_bytes(std::size_t bytes) {
   static constexpr const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
   double value = static_cast<double>(bytes);
   std::size_t unit = 0;
@@ -68,6 +71,7 @@ enum class oom_verdict {
   }
   return text;
 }
+#endif
 
 /// One resource of the chain, as it was when the report was made.
 struct resource_snapshot {
