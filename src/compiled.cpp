@@ -13,3 +13,4 @@
 #include <cudamem/pinned_resource.hpp>
 #include <cudamem/pool_resource.hpp>
 #include <cudamem/vm_pool_resource.hpp>
+#include <cudamem/vm_resource.hpp>

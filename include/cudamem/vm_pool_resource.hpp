@@ -121,6 +121,7 @@
 #include <cudamem/detail/vm/pool_options.hpp>  // vm_pool_options, vm_pool_stats
 #include <cudamem/memory_resource.hpp>
 #include <cudamem/pool_resource.hpp>
+#include <cudamem/vm_resource.hpp>  // what upstream_vm() returns
 
 #include <cstddef>
 #include <cstdint>
@@ -132,8 +133,6 @@
 #include <vector>
 
 namespace cudamem {
-
-class vm_resource;
 
 namespace detail {
 class vm_mapping_layer;
@@ -223,7 +222,7 @@ class vm_pool_resource final : public memory_resource {
   // The state (detail::vm_pool_core: the vm_resource, the pool, the large blocks' ledger, ...)
   // lives here, in place: no allocation and no pointer to follow on a call. pool_core.hpp
   // checks that it fits.
-  static constexpr std::size_t core_bytes = 1584;
+  static constexpr std::size_t core_bytes = 1592;
   alignas(8) unsigned char core_[core_bytes];
 };
 

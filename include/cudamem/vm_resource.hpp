@@ -113,178 +113,86 @@
 //   their stream (or any, freed synchronously): no wait, by stream order. Whatever else uses free
 //   memory (a request no free range holds, before it grows, recycles or fails; release(), trim(),
 //   growth ahead, the statistics) puts them back among the free ranges first (live_blocks.hpp).
+// Code: this header declares the class; detail/vm/resource_core.hpp is its state and its code,
+// and is included at the end unless the program links cudamem::compiled (detail/compiled.hpp).
 #pragma once
 
-#include <cudamem/detail/held_ahead.hpp>
-#include <cudamem/detail/sync/mutex.hpp>
-#include <cudamem/detail/vm/address_space.hpp>
-#include <cudamem/detail/vm/compactor.hpp>
-#include <cudamem/detail/vm/config.hpp>
-#include <cudamem/detail/vm/driver_mapping.hpp>
-#include <cudamem/detail/vm/free_ranges.hpp>
-#include <cudamem/detail/vm/grow_ahead.hpp>
-#include <cudamem/detail/vm/growth_thread.hpp>
-#include <cudamem/detail/vm/handle_set.hpp>
-#include <cudamem/detail/vm/live_blocks.hpp>
-#include <cudamem/detail/vm/mapping.hpp>
-#include <cudamem/detail/vm/options.hpp>
-#include <cudamem/detail/vm/placement.hpp>
-#include <cudamem/detail/vm/stats.hpp>
-#include <cudamem/detail/stream_tag.hpp>
-#include <cudamem/device.hpp>
-#include <cudamem/error.hpp>
+#include <cudamem/detail/compiled.hpp>
+#include <cudamem/detail/vm/options.hpp>  // vm_resource_options, vm_resource_stats, ...
 #include <cudamem/memory_resource.hpp>
-#include <cudamem/out_of_memory.hpp>
+#include <cudamem/stream.hpp>
 
-#include <cuda_runtime_api.h>
-
-#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <source_location>
-#include <stdexcept>
-#include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 namespace cudamem {
 
+namespace detail {
+class vm_mapping_layer;  // detail/vm/mapping.hpp
+class vm_resource_core;  // detail/vm/resource_core.hpp
+}  // namespace detail
+
 /// Device memory over a virtual address range; see the contract above.
-class vm_resource final : public memory_resource,
-                          private detail::held_ahead_holder,
-                          private detail::growth_work {
+class vm_resource final : public memory_resource {
  public:
   /// Memory on `device` (the current device by default).
   explicit vm_resource(int device = -1, vm_resource_options options = {},
-                       std::source_location where = std::source_location::current())
-      // A copy, not a move: the arguments' order of evaluation is unspecified.
-      : vm_resource(detail::driver_vm_mapping::for_resource(device, options, where), options) {}
+                       std::source_location where = std::source_location::current());
 
   /// Memory from any mapping layer (tests: detail::simulated_vm_mapping).
   explicit vm_resource(std::unique_ptr<detail::vm_mapping_layer> layer,
-                       vm_resource_options options = {})
-      : memory_resource(memory_kind::device, layer ? layer->device() : -1),
-        layer_(std::move(layer)),
-        options_(std::move(options)),
-        config_(detail::vm_config::from(layer_.get(), options_)),  // throws for bad options
-        handles_(config_.handle),
-        space_(config_.reservation, config_.reservation_alignment()),
-        compactor_(*layer_, config_, free_, handles_, space_),
-        blocks_(*layer_, config_, free_, handles_, config_.recent_frees),
-        grow_ahead_bytes_(options_.grow_ahead_bytes.value_or(
-            layer_->device() >= 0 ? default_grow_ahead_bytes : 0)) {
-    if (grow_ahead_bytes_ != 0) {
-      auto& work = static_cast<detail::growth_work&>(*this);  // a private base
-      ahead_ = std::make_unique<detail::growth_thread>(mutex_, work);
-    }
-    // Last, so that a constructor that throws leaves no registration behind.
-    detail::held_ahead_registry::instance().add(this, layer_->domain());
-  }
+                       vm_resource_options options = {});
 
-  ~vm_resource() override {
-    detail::held_ahead_registry::instance().remove(this);  // waits for a give-back under way
-    if (ahead_) {
-      ahead_->stop();  // its batch in flight is published first, then released below
-    }
-    const detail::lock_guard lock(mutex_);
-    if (blocks_.count() != 0) {
-      report_problem("vm_resource destroyed with " + std::to_string(blocks_.count()) +
-                     " range(s) (" + format_bytes(blocks_.used_bytes()) +
-                     ") still allocated; their memory is released anyway");
-    }
-    compactor_.release_all();
-  }
+  ~vm_resource() override;
 
   vm_resource(const vm_resource&) = delete;
   vm_resource& operator=(const vm_resource&) = delete;
 
   /// Gives back every wholly free handle and every stale alias, after waiting on the host for
   /// all recorded frees; returns the physical bytes given back. See the contract.
-  std::size_t release() {
-    detail::unique_lock lock(mutex_);
-    if (ahead_) {
-      ahead_->cancel(lock);  // what is made ahead is given back too, and not made again at once
-      ahead_->wait_step(lock);
-    }
-    blocks_.flush_recent();
-    return compactor_.release_idle();
-  }
+  std::size_t release();
 
   /// Gives back the memory held ahead of need (vm_stats().held_ahead_bytes: whole handles free
   /// at the end of what is mapped, made by the growth thread or left by a growth) after the
   /// growth step under way, if any, has ended; growth ahead then waits until the resource
   /// grows for a request of its own. What another resource of the process does by itself
   /// before it fails for lack of device memory (see the contract). Returns the bytes.
-  std::size_t trim() {
-    detail::unique_lock lock(mutex_);
-    if (ahead_) {
-      ahead_->cancel(lock);
-      ahead_->wait_step(lock);
-    }
-    blocks_.flush_recent();
-    return compactor_.release_tail();
-  }
+  std::size_t trim();
 
   /// Blocks until no growth ahead is asked for or under way (grow_ahead_bytes; for tests and
   /// benchmarks that read the device's state). Returns at once without it.
-  void wait_for_growth() const {
-    detail::unique_lock lock(mutex_);
-    if (ahead_) {
-      ahead_->wait_idle(lock);
-    }
-  }
+  void wait_for_growth() const;
 
   /// What it holds, in virtual-memory terms (walks the free ranges: not for hot loops).
-  [[nodiscard]] vm_resource_stats vm_stats() const {
-    const detail::lock_guard lock(mutex_);
-    blocks_.flush_recent();
-    return detail::collect_vm_stats(config_, space_, handles_, blocks_, free_, compactor_);
-  }
+  [[nodiscard]] vm_resource_stats vm_stats() const;
 
   /// Starts vm_stats().peak_mapped_bytes again from now.
-  void reset_peak_mapped() {
-    const detail::lock_guard lock(mutex_);
-    handles_.mapped_bytes.reset_peak();
-  }
+  void reset_peak_mapped();
   /// What is mapped now: ranges of adjacent handles, (start, bytes) by address.
-  [[nodiscard]] std::vector<std::pair<std::uintptr_t, std::size_t>> mapped_ranges() const {
-    const detail::lock_guard lock(mutex_);
-    return handles_.ranges();
-  }
+  [[nodiscard]] std::vector<std::pair<std::uintptr_t, std::size_t>> mapped_ranges() const;
   /// The device's mapping granularity: block sizes and addresses are multiples of it.
-  [[nodiscard]] std::size_t granularity() const noexcept { return config_.granule; }
+  [[nodiscard]] std::size_t granularity() const noexcept;
   /// The size of every physical handle: handle_bytes rounded up to the granularity.
-  [[nodiscard]] std::size_t handle_bytes() const noexcept { return config_.handle; }
+  [[nodiscard]] std::size_t handle_bytes() const noexcept;
   /// The options it was made with.
-  [[nodiscard]] const vm_resource_options& options() const noexcept { return options_; }
+  [[nodiscard]] const vm_resource_options& options() const noexcept;
 
   /// The handles under the live block starting at `p`, for export (vm_ipc.hpp); see the
   /// contract. Throws std::invalid_argument unless the resource is exportable and `p` starts
   /// a block it gave out and has not freed.
-  [[nodiscard]] vm_block_handles block_handles(const void* p) const {
-    const detail::lock_guard lock(mutex_);
-    return blocks_.handles_of(reinterpret_cast<std::uintptr_t>(p));
-  }
+  [[nodiscard]] vm_block_handles block_handles(const void* p) const;
 
   /// The handles under [p, p + bytes) of mapped memory; std::invalid_argument otherwise.
-  [[nodiscard]] vm_block_handles handles_covering(const void* p, std::size_t bytes) const {
-    const detail::lock_guard lock(mutex_);
-    return blocks_.handles_covering(reinterpret_cast<std::uintptr_t>(p), bytes);
-  }
+  [[nodiscard]] vm_block_handles handles_covering(const void* p, std::size_t bytes) const;
 
   /// Peer access for virtual memory (cudaDeviceEnablePeerAccess covers cudaMalloc'd only).
-  void add_peer(int device) {
-    layer_->add_peer(device);  // growth from now on maps with the peer's access
-    detail::unique_lock lock(mutex_);
-    if (ahead_) {
-      ahead_->wait_idle(lock);  // a batch mapped before the peer was added is adopted by now
-    }
-    for (const auto& [address, bytes] : handles_.ranges()) {
-      layer_->set_peer_access(address, bytes, device);  // (its own device: nothing)
-    }
-  }
+  void add_peer(int device);
 
   // --- blocks an owner marks (vm_pool_resource's large blocks) -----------------------------
 
@@ -292,208 +200,39 @@ class vm_resource final : public memory_resource,
   /// that also takes blocks it cuts up (a pool's chunks, mark 0) then frees its own blocks
   /// without a record of its own (a lookup fewer per block) and never frees a chunk for one.
   [[nodiscard]] void* allocate_marked(std::size_t bytes, std::size_t alignment,
-                                      const stream_view* stream, std::uint8_t mark) {
-    if (bytes == 0) {
-      return nullptr;
-    }
-    validate_alignment(alignment);
-    return allocate_range(bytes, alignment, stream ? detail::stream_tag(stream->get()) : nullptr,
-                          stream == nullptr, mark);
-  }
+                                      const stream_view* stream, std::uint8_t mark);
   /// deallocate() of a block from allocate_marked with the same `mark`: returns the bytes it
   /// was asked with, or 0 when the free failed (reported; the block stays live); nullopt, with
   /// nothing freed and nothing reported, when no live block with that mark starts at `p`.
   std::optional<std::size_t> deallocate_marked(void* p, std::size_t bytes,
                                                const stream_view* stream,
-                                               std::uint8_t mark) noexcept {
-    return free_range_at(p, bytes, stream ? detail::stream_tag(stream->get()) : nullptr,
-                         stream == nullptr, mark);
-  }
+                                               std::uint8_t mark) noexcept;
 
   /// The mapping layer (tests inspect the simulated one).
-  [[nodiscard]] detail::vm_mapping_layer& mapping_layer() const noexcept { return *layer_; }
+  [[nodiscard]] detail::vm_mapping_layer& mapping_layer() const noexcept;
 
  private:
-  // --- the memory_resource interface ------------------------------------------------------
-
-  void* do_allocate(std::size_t bytes, std::size_t alignment, stream_view stream) override {
-    return allocate_range(bytes, alignment, detail::stream_tag(stream.get()), false);
-  }
-  void* do_allocate_sync(std::size_t bytes, std::size_t alignment) override {
-    return allocate_range(bytes, alignment, nullptr, true);
-  }
-  void do_deallocate(void* p, std::size_t bytes, std::size_t /*alignment*/,
-                     stream_view stream) noexcept override {
-    free_range_at(p, bytes, detail::stream_tag(stream.get()), false);
-  }
-  void do_deallocate_sync(void* p, std::size_t bytes, std::size_t /*alignment*/) noexcept override {
-    free_range_at(p, bytes, nullptr, true);
-  }
+  void* do_allocate(std::size_t bytes, std::size_t alignment, stream_view stream) override;
+  void* do_allocate_sync(std::size_t bytes, std::size_t alignment) override;
+  void do_deallocate(void* p, std::size_t bytes, std::size_t alignment,
+                     stream_view stream) noexcept override;
+  void do_deallocate_sync(void* p, std::size_t bytes, std::size_t alignment) noexcept override;
   bool do_is_equal(const memory_resource& other) const noexcept override { return this == &other; }
   std::string_view do_name() const noexcept override { return "vm_resource"; }
-  resource_stats do_stats() const override {
-    const detail::lock_guard lock(mutex_);
-    blocks_.flush_recent();
-    return detail::collect_resource_stats(*layer_, options_, handles_, blocks_, free_);
-  }
+  resource_stats do_stats() const override;
 
-  // --- allocation -------------------------------------------------------------------------
+  detail::vm_resource_core& core() noexcept;
+  const detail::vm_resource_core& core() const noexcept;
 
-  void* allocate_range(std::size_t bytes, std::size_t alignment, cudaStream_t stream, bool sync,
-                       std::uint8_t mark = 0) {
-    const std::size_t limit = options_.physical_limit.value_or(layer_->device_total());
-    if (bytes > limit || alignment > limit) {
-      throw_out_of_memory(*this, bytes, alignment,
-                          "vm_resource: larger than it can ever map (" + format_bytes(limit) + ")");
-    }
-    const std::size_t granule = config_.granule;
-    const std::size_t size = detail::vm_config::round_up(bytes, granule);
-    const detail::vm_request r{size, alignment <= granule ? size : size + alignment - granule,
-                               alignment,
-                               detail::vm_request::whole_handles(size, alignment, config_.handle,
-                                                                 granule),
-                               granule};
-    detail::unique_lock lock(mutex_);
-    if (void* p = blocks_.take_recent(r, bytes, stream, sync, mark)) {
-      return p;  // nothing left the frontier: no need to look at growth ahead
-    }
-    if (void* p = blocks_.take_fit(r, bytes, stream, sync, mark)) {
-      return grew_ahead(lock, p);
-    }
-    std::size_t given_back = 0;  // by the other vm_resources of the process (below)
-    std::string cause;
-    for (bool others_asked = false;; others_asked = true) {
-      // While memory is being made ahead, wait for each batch and look again: a growth of our
-      // own would only queue behind the thread's in the driver, and it maps at the frontier,
-      // where the thread's batch goes (make_room runs only once the thread is idle).
-      while (ahead_ && ahead_->busy()) {
-        ahead_->wait_next_step(lock);
-        if (void* p = blocks_.take_fit(r, bytes, stream, sync, mark)) {
-          return grew_ahead(lock, p);
-        }
-      }
-      // The thread is idle now, and cannot begin a step while this lock is held. Blocks kept
-      // aside go back among the free ranges: merged there, they may hold the request.
-      if (blocks_.flush_recent()) {
-        if (void* p = blocks_.take_fit(r, bytes, stream, sync, mark)) {
-          return grew_ahead(lock, p);
-        }
-      }
-      // Growth, neighbours merged by a host wait, a compaction (detail/vm/compactor.hpp).
-      cause.clear();
-      if (compactor_.make_room(r.needed, r.whole, cause,
-                               [&] { return blocks_.settle_run(r, stream, sync); },
-                               detail::ordered_on(stream, sync))) {
-        if (void* p = blocks_.take_fit(r, bytes, stream, sync, mark)) {
-          return grew_ahead(lock, p);
-        }
-      }
-      // Short of device memory, not of the physical limit or of address space?
-      const bool device_full = handles_.device_full &&
-                               handles_.mapped_bytes + config_.handle <= config_.limit;
-      lock.unlock();  // the report reads stats(), which locks; the registry locks the others
-      // Before failing for want of device memory: what the process's other vm_resources
-      // hold ahead of need on this device, then once more.
-      if (others_asked || !device_full) {
-        break;
-      }
-      given_back = detail::give_back_held_ahead(layer_->domain(), this);
-      if (given_back == 0) {
-        break;
-      }
-      lock.lock();
-    }
-    if (given_back != 0) {
-      cause += "; other vm_resources gave back " + format_bytes(given_back) +
-               " held ahead of need first";
-    }
-    throw_out_of_memory(*this, bytes, alignment, "vm_resource: " + cause);
-  }
-
-  /// After an allocation (`p`): wakes the growth thread when too little is left mapped ahead.
-  void* grew_ahead(detail::unique_lock<detail::mutex>& lock, void* p) {
-    if (ahead_ && !ahead_->stepping() && compactor_.wants_ahead(grow_ahead_bytes_)) {
-      ahead_->wake(lock);
-    }
-    return p;
-  }
-
-  void growth_thread_started() override {  // detail::growth_work: cuMem* needs the device
-    check(layer_->device() < 0 ? cudaSuccess : cudaSetDevice(layer_->device()),
-          "vm_resource: cudaSetDevice on the growth thread");
-  }
-
-  /// One step of the growth thread (detail::growth_work): a batch planned under the lock, made
-  /// without it, published under it. True while more is wanted.
-  bool growth_step(detail::unique_lock<detail::mutex>& lock) override {
-    blocks_.flush_recent();  // blocks kept aside at the frontier are free memory there
-    auto batch = compactor_.plan_ahead(grow_ahead_bytes_);
-    if (!batch) {
-      return false;
-    }
-    lock.unlock();
-    compactor_.make_ahead(*batch);
-    lock.lock();
-    compactor_.publish_ahead(*batch);  // throws the batch's error: the thread stops
-    return !batch->device_full && !batch->at_floor;
-  }
-
-  // --- memory held ahead gives way (detail/held_ahead.hpp) ----------------------------------
-
-  /// Another resource of the process is short of device memory: give back what is held ahead.
-  /// Called with the registry's lock held, never with ours.
-  std::size_t give_back_ahead() noexcept override {
-    try {
-      return trim();
-    } catch (const std::exception& e) {
-      report_problem(std::string("vm_resource: giving back memory held ahead: ") + e.what());
-    } catch (...) {
-      report_problem("vm_resource: giving back memory held ahead failed");
-    }
-    return 0;
-  }
-  [[nodiscard]] std::size_t bytes_held_ahead() const noexcept override {
-    try {
-      const detail::lock_guard lock(mutex_);
-      blocks_.flush_recent();
-      return compactor_.tail_bytes();
-    } catch (...) {
-      return 0;
-    }
-  }
-
-  /// Frees the block at `p`; with a mark, only one that carries it (deallocate_marked's
-  /// result; without one, a bad free is reported and the result is meaningless).
-  std::optional<std::size_t> free_range_at(void* p, std::size_t bytes, cudaStream_t stream,
-                                           bool sync, std::optional<std::uint8_t> mark = {}) noexcept {
-    const auto address = reinterpret_cast<std::uintptr_t>(p);
-    try {
-      const detail::lock_guard lock(mutex_);
-      if (mark) {
-        return blocks_.free_marked(address, bytes, stream, sync, *mark);
-      }
-      blocks_.free(address, bytes, stream, sync);
-    } catch (const cuda_error& e) {
-      report_error(e.code(), std::string(e.what()) + " (the range is kept: it may be in use)");
-    } catch (const std::exception& e) {
-      report_problem(std::string("vm_resource: ") + e.what());
-    }
-    return 0;
-  }
-
-  std::unique_ptr<detail::vm_mapping_layer> layer_;
-  vm_resource_options options_;
-  detail::vm_config config_;
-
-  mutable detail::mutex mutex_;  ///< guards everything below
-  // mutable: reading the free ranges puts blocks kept aside back first (live_blocks.hpp).
-  mutable detail::free_range_index free_;
-  detail::handle_set handles_;
-  detail::address_space space_;
-  detail::vm_compactor compactor_;
-  mutable detail::vm_live_blocks blocks_;
-  std::size_t grow_ahead_bytes_;  ///< options_.grow_ahead_bytes, resolved
-  std::unique_ptr<detail::growth_thread> ahead_;  ///< grow_ahead_bytes; last: stopped first
+  // The state (detail::vm_resource_core: the mapping layer, the handles, the free ranges, the
+  // live blocks, the growth thread, ...) lives here, in place: no allocation and no pointer to
+  // follow on a call. resource_core.hpp checks that it fits.
+  static constexpr std::size_t core_bytes = 944;
+  alignas(8) unsigned char core_[core_bytes];
 };
 
 }  // namespace cudamem
+
+#if CUDAMEM_DEFINITIONS_IN_HEADERS
+#include <cudamem/detail/vm/resource_core.hpp>
+#endif

@@ -1,6 +1,7 @@
 // pool_resource over real device memory: the randomised model test, and the stream-order tests
 // that would catch a block handed to another stream before the work of its last user finished.
 #include <cudamem/device_resource.hpp>
+#include <cudamem/out_of_memory.hpp>
 #include <cudamem/pool_resource.hpp>
 #include <cudamem/stream.hpp>
 

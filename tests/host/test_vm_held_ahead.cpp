@@ -10,6 +10,7 @@
 // The shared pretend device: a paged simulated_resource is the device's memory, and the vm
 // layers draw their handles from it (simulated_vm_options::physical), so resources over it
 // and vm_pools over the layers compete for one capacity, as on a GPU.
+#include <cudamem/detail/vm/config.hpp>  // no_growth_into_reserve_scope
 #include <cudamem/detail/vm/simulated_mapping.hpp>
 #include <cudamem/limiting_adaptor.hpp>
 #include <cudamem/memory_report.hpp>

@@ -2,6 +2,11 @@
 // placement, reuse without driver calls, compaction by recycling handles, stream ordering (and
 // never an unmap of memory still in flight), release, destruction, bad input, a failure
 // inside the layer, and a randomised run checked against a model.
+#include <cudamem/detail/stream_tag.hpp>
+#include <cudamem/detail/vm/config.hpp>
+#include <cudamem/detail/vm/free_ranges.hpp>
+#include <cudamem/detail/vm/handle_set.hpp>
+#include <cudamem/detail/vm/placement.hpp>
 #include <cudamem/detail/vm/simulated_mapping.hpp>
 #include <cudamem/vm_resource.hpp>
 

@@ -21,8 +21,9 @@
 //   are declared only, and their definitions come from the library. Every translation unit of
 //   a program must agree (mixing the two modes is an ODR violation: the library's definitions
 //   and a header-only unit's inline ones would both exist).
-// - The classes: pool_resource, vm_pool_resource. Each holds its state in place (no extra
-//   allocation or indirection per call); the size is checked where the state is defined.
+// - The classes: pool_resource, vm_pool_resource, vm_resource. Each holds its state in place
+//   (no extra allocation or indirection per call); the size is checked where the state is
+//   defined.
 // - The out-of-memory report (detail/report/oom_throw.hpp): throw_out_of_memory,
 //   rethrow_out_of_memory, format_bytes, and the advice device_resource and pinned_resource
 //   add to a report. device_resource.hpp and pinned_resource.hpp then no longer bring in
