@@ -9,9 +9,10 @@
 // structs (vectors, optionals and strings of each resource's figures) and the functions that
 // measure and format them cost a translation unit ~0.45 s under nvcc, wherever a buffer is
 // declared, though they run only when memory runs out. In compiled mode (detail/compiled.hpp)
-// these functions are compiled once, in the cudamem::compiled library, and the resources that
-// call CUDA directly include only this header. Header-only, out_of_memory.hpp defines them
-// (inline) and those resources include it too: nothing changes.
+// these functions are compiled once, in the cudamem::compiled library, and device_resource.hpp,
+// pinned_resource.hpp and detail/cuda/cuda_upstream.hpp include only this header (the other
+// resources still include out_of_memory.hpp). Header-only, out_of_memory.hpp defines them
+// (inline) and those three include it too: nothing changes.
 //
 // Contract: out_of_memory.hpp's (throw_out_of_memory, rethrow_out_of_memory) and figures.hpp's
 // (format_bytes). In compiled mode, a file that names `out_of_memory` or reads a report (to
